@@ -60,9 +60,9 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
     return Model(engine, dtype=dtype, load_info=load_info)
 
 
-def _load_tokenizer(path) -> Tokenizer:
-    if path.is_dir():
-        return Tokenizer.from_hf_dir(path)
+def _load_tokenizer(path) -> Tokenizer | None:
+    if path.is_dir():  # a weights-only directory still runs on token ids
+        return Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
     import gguf
 
     try:
@@ -120,6 +120,9 @@ class Model:
                 result.append(done)
 
     def chat_prompt(self, messages, tools: list | None = None) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer (no tokenizer.json); "
+                                      "pass token ids to generate() instead of messages")
         if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise InvalidRequestError('messages must be a non-empty list of {"role": ..., '
                                       '"content": ...} dicts')

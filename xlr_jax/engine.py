@@ -64,14 +64,14 @@ class _StopText:
 
 class _Request:
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams,
-                 pool: PagePool, tokenizer: Tokenizer, max_context: int, start: float):
+                 pool: PagePool, tokenizer: Tokenizer | None, max_context: int, start: float):
         self.index = index
         self.prompt_ids = prompt_ids
         self.params = params
         self.seq = SequencePages(pool)
-        self.decoder = tokenizer.incremental_decoder()
+        self.decoder = tokenizer.incremental_decoder() if tokenizer else None
         self.stop_text = _StopText(params.stop)
-        self.eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
+        self.eos = frozenset() if params.ignore_eos or not tokenizer else tokenizer.eos_token_ids
         self.limit = min(params.max_tokens, max_context - len(prompt_ids))
         self.generated: list[int] = []
         self.finish_reason: str | None = None
@@ -90,13 +90,13 @@ class _Request:
         if token in self.eos:
             self.finish_reason = "stop"
         else:
-            piece, hit = self.stop_text.add(self.decoder.push(token))
+            piece, hit = self.stop_text.add(self.decoder.push(token) if self.decoder else "")
             if hit:
                 self.finish_reason = "stop"
         if self.finish_reason is None and len(self.generated) >= self.limit:
             self.finish_reason = "length"
         if self.finish_reason is not None and not hit:  # release held-back text
-            tail, hit = self.stop_text.add(self.decoder.flush())
+            tail, hit = self.stop_text.add(self.decoder.flush() if self.decoder else "")
             piece += tail if hit else tail + self.stop_text.finish()
             self.finish_reason = "stop" if hit else self.finish_reason
         return piece
@@ -120,7 +120,7 @@ class _Request:
 class Engine:
     """Owns the device params and KV plus the host page pool; runs batches of requests."""
 
-    def __init__(self, config: ModelConfig, params: Params, tokenizer: Tokenizer, *,
+    def __init__(self, config: ModelConfig, params: Params, tokenizer: Tokenizer | None, *,
                  page_size: int, num_pages: int, max_batch: int, prefill_chunk: int,
                  max_context: int, attn_impl: str = "auto", kv_dtype=jnp.float32):
         self.config, self.params, self.tokenizer = config, params.per_layer(), tokenizer
@@ -141,6 +141,9 @@ class Engine:
 
     def encode_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer (no tokenizer.json); "
+                                          "pass a list of token ids as the prompt")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
             ids = [int(t) for t in prompt]

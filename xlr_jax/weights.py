@@ -23,7 +23,7 @@ from xlr_jax.errors import ModelLoadError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
@@ -52,6 +52,24 @@ def _layer_dict(q, k, v, o, attn_norm, mlp_norm, gate, up, down, biases, dtype):
     if biases is not None:
         out["bqkv"] = np.concatenate(biases)
     return {name: np.asarray(a, dtype=dtype) for name, a in out.items()}
+
+
+def params_digest(params: dict) -> str:
+    """Content hash of a nested dict of arrays: a cache entry must restore bit-exact."""
+    h = hashlib.sha256()
+
+    def walk(node, path):
+        for name in sorted(node):
+            value, where = node[name], f"{path}/{name}"
+            if isinstance(value, dict):
+                walk(value, where)
+            else:
+                a = np.ascontiguousarray(value)
+                h.update(f"{where}:{a.dtype.str}:{a.shape}".encode())
+                h.update(a.data)
+
+    walk(params, "")
+    return h.hexdigest()
 
 
 def file_digest(paths: list[Path]) -> str:
@@ -181,6 +199,15 @@ def hf_config(raw: dict) -> ModelConfig:
     heads = raw["num_attention_heads"]
     theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    types = raw.get("layer_types")
+    if types is None and arch == "qwen2":  # Qwen2 windows only layers >= max_window_layers
+        types = ["sliding_attention" if window and i >= raw.get("max_window_layers", 0)
+                 else "full_attention" for i in range(raw["num_hidden_layers"])]
+    if types is not None:
+        if len(set(types)) > 1:
+            raise UnsupportedModelError("models mixing sliding-window and full-attention "
+                                        "layers are not supported yet")
+        window = raw.get("sliding_window") if types[0] == "sliding_attention" else None
     return ModelConfig(
         architecture=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
         num_layers=raw["num_hidden_layers"], num_heads=heads,
@@ -294,6 +321,7 @@ def _save(entry: Path, config: ModelConfig, params: dict) -> None:
     tmp.mkdir(parents=True)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp / "params", params)
+    (tmp / "params.sha256").write_text(params_digest(params))
     (tmp / "config.json").write_text(config.to_json())  # written last: marks completeness
     shutil.rmtree(entry, ignore_errors=True)
     os.replace(tmp, entry)
@@ -305,4 +333,6 @@ def _restore(entry: Path) -> tuple[ModelConfig, dict]:
     config = ModelConfig.from_json((entry / "config.json").read_text())
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(entry / "params")
+    if params_digest(params) != (entry / "params.sha256").read_text().strip():
+        raise ModelLoadError(f"params cache {entry} does not match its checksum")
     return config, params

@@ -10,7 +10,8 @@ Layouts (one layer):
 
 A query at position p sees cache positions s with s <= p and s < length (and
 s > p - sliding_window when a window is set). Query heads are grouped per KV
-head (GQA): head h reads KV head h // (num_heads // kv_heads).
+head (GQA): head h reads KV head h // (num_heads // kv_heads). A query that sees no
+position (padding) returns zeros.
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ def paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions, *,
         visible &= kv_pos[None, None, :] > q_positions[:, :, None] - sliding_window
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
+    # a query that sees nothing (padding past a window) must give zeros, not NaN:
+    # NaN written to the shared scratch page would reach every row (0 * NaN)
+    probs = jnp.where(visible.any(-1)[:, None, None, :, None], probs, 0.0)
     out = jnp.einsum("bkgts,kbsd->btkgd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)

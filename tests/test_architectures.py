@@ -1,0 +1,426 @@
+"""The HF loader + decoder against transformers, and paged-KV properties, on tiny random models.
+
+transformers builds each model from a config with random weights and saves it as safetensors; xlr_jax
+loads that directory and must reproduce transformers' logits at every position. Weights use a large
+init scale (0.2) and random norm weights/biases, so attention is sharp and each feature under test
+(rope scaling, sliding window, biases, ...) moves the logits far beyond the tolerance: every case
+also checks that switching its feature off breaks the match.
+"""
+import dataclasses
+import json
+import logging
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models as tok_models
+from tokenizers import pre_tokenizers
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+import xlr_jax
+from xlr_jax.config import RopeScaling
+from xlr_jax.engine import Engine
+from xlr_jax.model import params_from_arrays
+from xlr_jax.paged_kv import SCRATCH_PAGE, PagedKV
+from xlr_jax.sampling import SamplingBatch, SamplingParams
+from xlr_jax.steps import Steps
+from xlr_jax.weights import hf_config, load_weights
+
+# Relative error max|xlr - hf| / max|hf|. Both sides run in float32 and differ only in summation
+# order (observed ~2e-6); a wrong feature gives errors of order 1 (see each case's ablation).
+TOL = 1e-4
+# An ablated model (feature switched off) must be at least this far off.
+BROKEN = 100 * TOL
+
+VOCAB = 256
+PAGE = 16
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=512,
+            rms_norm_eps=1e-6, initializer_range=0.2, attn_implementation="eager")
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+               "rope_theta": 500000.0}
+
+
+def _no_rope_scaling(config, params):
+    return dataclasses.replace(config, rope_scaling=RopeScaling()), params
+
+
+def _no_bias(config, params):
+    layers = {k: v for k, v in params["layers"].items() if k != "bqkv"}
+    return dataclasses.replace(config, qkv_bias=False), {**params, "layers": layers}
+
+
+def _window(size):
+    return lambda config, params: (dataclasses.replace(config, sliding_window=size), params)
+
+
+# name: (model class, config, prompt length, expected ModelConfig fields, ablation that must break it)
+CASES = {
+    "llama3_rope_untied": (
+        LlamaForCausalLM,
+        LlamaConfig(num_hidden_layers=2, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False,
+                    **TINY),
+        150,  # positions well past original_max_position_embeddings=64
+        dict(architecture="llama", tie_embeddings=False, rope_theta=500000.0,
+             rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64)),
+        _no_rope_scaling),
+    "llama_tied": (
+        LlamaForCausalLM,
+        LlamaConfig(num_hidden_layers=3, tie_word_embeddings=True, **TINY),
+        90,
+        dict(architecture="llama", tie_embeddings=True, num_layers=3, rope_theta=10000.0,
+             rope_scaling=RopeScaling()),
+        None),  # the tie is checked on the checkpoint: it has no lm_head.weight
+    "qwen2_bias": (
+        Qwen2ForCausalLM,
+        Qwen2Config(num_hidden_layers=2, tie_word_embeddings=False, **TINY),
+        90,
+        dict(architecture="qwen2", qkv_bias=True, sliding_window=None),
+        _no_bias),
+    "mistral_window32": (
+        MistralForCausalLM,
+        MistralConfig(num_hidden_layers=2, sliding_window=32, **TINY),
+        100,  # prompt longer than the window
+        dict(architecture="mistral", sliding_window=32),
+        _window(None)),
+    "mistral_no_window": (
+        MistralForCausalLM,
+        MistralConfig(num_hidden_layers=2, sliding_window=None, **TINY),
+        100,
+        dict(architecture="mistral", sliding_window=None),
+        _window(32)),
+}
+
+
+def rel_err(out, ref) -> float:
+    return float(np.abs(np.asarray(out) - ref).max() / np.abs(ref).max())
+
+
+def random_ids(seed, n):
+    return np.random.default_rng(seed).integers(0, VOCAB, n)
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(np.asarray(ids)[None])).logits[0].numpy()
+
+
+def xlr_logits(config, arrays, ids) -> np.ndarray:
+    """Logits at every position through Engine.logits (what Model.logits runs).
+
+    The engine gets no tokenizer: these directories have none, and the logits path reads token ids.
+    """
+    engine = Engine(config, params_from_arrays(arrays), None, page_size=PAGE, num_pages=40,
+                    max_batch=1, prefill_chunk=256, max_context=config.max_context)
+    return engine.logits([int(t) for t in ids])
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """name -> (transformers model, directory it was saved to); all weights random, seeded."""
+    root = tmp_path_factory.mktemp("hf_models")
+    out = {}
+    for seed, (name, (cls, config, *_)) in enumerate(CASES.items()):
+        torch.manual_seed(seed)
+        model = cls(config).float().eval()
+        with torch.no_grad():  # init leaves norms at 1 and biases at 0: make them matter too
+            for pname, p in model.named_parameters():
+                if "norm" in pname:
+                    p.copy_(1 + 0.2 * torch.randn_like(p))
+                elif pname.endswith("bias"):
+                    p.copy_(0.5 * torch.randn_like(p))
+        model.save_pretrained(root / name, safe_serialization=True)
+        out[name] = (model, root / name)
+    return out
+
+
+# ---------------------------------------------------------------- loader + model vs transformers
+
+@pytest.mark.parametrize("name", CASES)
+def test_logits_match_transformers(zoo, name):
+    _, _, length, expected, ablate = CASES[name]
+    hf, path = zoo[name]
+    loaded = load_weights(path, cache_dir=None)
+    for field, value in expected.items():
+        assert getattr(loaded.config, field) == value, field
+
+    ids = random_ids(100 + len(name), length)
+    ref = hf_logits(hf, ids)
+    out = xlr_logits(loaded.config, loaded.params, ids)
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) < TOL
+    np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))
+
+    if ablate is not None:  # the feature is exercised: without it the logits are far off
+        assert rel_err(xlr_logits(*ablate(loaded.config, loaded.params), ids), ref) > BROKEN
+
+
+def test_tied_checkpoint_has_no_lm_head(zoo):
+    """The tied case really takes the tied path: there is no lm_head tensor to fall back on."""
+    _, path = zoo["llama_tied"]
+    with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    assert "lm_head" not in load_weights(path, cache_dir=None).params
+
+
+def test_qwen2_biases_loaded(zoo):
+    hf, path = zoo["qwen2_bias"]
+    attn = hf.model.layers[1].self_attn
+    expected = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().numpy()
+    bqkv = load_weights(path, cache_dir=None).params["layers"]["bqkv"]
+    assert np.abs(expected).min() > 0
+    np.testing.assert_array_equal(bqkv[1], expected)
+
+
+def test_transformers4_rope_config_reads_the_same(zoo):
+    """transformers 5 saves `rope_parameters` (theta inside); v4 saved `rope_scaling` + `rope_theta`."""
+    _, path = zoo["llama3_rope_untied"]
+    v5 = json.loads((path / "config.json").read_text())
+    assert v5["rope_parameters"]["rope_type"] == "llama3" and "rope_scaling" not in v5
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    v4["rope_scaling"] = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    v4["rope_theta"] = LLAMA3_ROPE["rope_theta"]
+    assert hf_config(v4) == hf_config(v5)
+    assert hf_config(v5).rope_scaling.kind == "llama3"
+
+
+def test_sharded_checkpoint_loads_identically(zoo, tmp_path):
+    hf, single = zoo["qwen2_bias"]
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="50KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and all((tmp_path / s).exists() for s in shards)
+
+    a, b = load_weights(single, cache_dir=None), load_weights(tmp_path, cache_dir=None)
+    assert a.config == b.config
+    leaves_a, leaves_b = (jax.tree_util.tree_leaves_with_path(x.params) for x in (a, b))
+    assert [p for p, _ in leaves_a] == [p for p, _ in leaves_b]
+    for (p, x), (_, y) in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(p))
+
+
+def test_load_model_public_api(zoo, tmp_path):
+    """load_model + Model.logits / Model.generate on token ids (a word-level tokenizer is added:
+    load_model requires a tokenizer.json)."""
+    hf, path = zoo["llama3_rope_untied"]
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    tok = HFTokenizer(tok_models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+
+    model = xlr_jax.load_model(str(tmp_path), dtype="float32", params_cache=False, page_size=PAGE)
+    ids = [int(t) for t in random_ids(7, 120)]
+    ref = hf_logits(hf, ids)
+    out = model.logits(ids)
+    assert rel_err(out, ref) < TOL
+
+    seq = list(ids)
+    for _ in range(8):  # transformers' greedy continuation
+        seq.append(int(hf_logits(hf, seq)[-1].argmax()))
+    result = model.generate(ids, max_tokens=8, ignore_eos=True)
+    assert result.token_ids == seq[len(ids):]
+
+
+# ---------------------------------------------------------------- paged-KV properties (via Steps)
+
+NUM_PAGES = 48
+WIDTH = 8                  # block-table width: 7 pages hold the 100-token sequence, 1 padding entry
+SEQ_LEN = 100
+ONE_SHOT_T = 112           # one-shot chunk width (padded past SEQ_LEN)
+
+
+class Paged:
+    """One tiny model on Steps, over a KV pool of random values: a read of a wrong or unwritten
+    slot changes the logits. Positions, lengths and block tables are explicit."""
+
+    def __init__(self, path, hf):
+        loaded = load_weights(path, cache_dir=None)
+        self.config = loaded.config
+        self.params = params_from_arrays(loaded.params).per_layer()
+        self.steps = Steps(self.config)
+        self.hf = hf
+        self.ids = random_ids(11, SEQ_LEN)
+
+    def fresh_kv(self, seed=0) -> PagedKV:
+        c = self.config
+        shape = (c.num_layers, c.num_kv_heads, NUM_PAGES, PAGE, c.head_dim)
+        kk, kv = jax.random.split(jax.random.key(seed))
+        return PagedKV(k=jax.random.normal(kk, shape), v=jax.random.normal(kv, shape))
+
+    @staticmethod
+    def table(pages) -> np.ndarray:
+        row = np.full(WIDTH, SCRATCH_PAGE, np.int32)
+        row[:len(pages)] = pages
+        return row
+
+    @staticmethod
+    def padded(rows, width, seed=0) -> np.ndarray:
+        """Token rows padded with random ids (padding must be ignored, whatever it holds)."""
+        out = np.random.default_rng(seed).integers(0, VOCAB, (len(rows), width)).astype(np.int32)
+        for i, r in enumerate(rows):
+            out[i, :len(r)] = r
+        return out
+
+    def all_logits(self, kv, rows, starts, tables, width):
+        tokens = self.padded(rows, width, seed=len(rows) + width)
+        logits, kv = self.steps.all_logits(
+            self.params, kv, tokens, np.asarray(starts, np.int32),
+            np.array([len(r) for r in rows], np.int32), np.stack(tables))
+        return np.asarray(logits), kv
+
+    def one_shot(self, kv):
+        """Logits of the whole sequence prefilled at once into pages 1..7, and the KV."""
+        logits, kv = self.all_logits(kv, [self.ids], [0], [self.table(range(1, 8))], ONE_SHOT_T)
+        return logits[0, :SEQ_LEN], kv
+
+
+# An untied llama3-rope model, and the sliding-window Mistral (window 32 < the sequence).
+@pytest.fixture(scope="module", params=["llama3_rope_untied", "mistral_window32"])
+def paged(zoo, request):
+    hf, path = zoo[request.param]
+    return Paged(path, hf)
+
+
+@pytest.fixture(scope="module")
+def one_shot(paged):
+    ref, kv = paged.one_shot(paged.fresh_kv())
+    assert rel_err(ref, hf_logits(paged.hf, paged.ids)) < TOL  # anchored to transformers
+    return ref, kv
+
+
+def test_scrambled_block_table(paged, one_shot):
+    ref, kv_identity = one_shot
+    pages = np.random.default_rng(5).permutation(np.arange(1, NUM_PAGES))[:7]
+    assert not np.all(np.diff(pages) == 1)
+    logits, kv = paged.all_logits(paged.fresh_kv(seed=1), [paged.ids], [0], [paged.table(pages)],
+                                  ONE_SHOT_T)
+    assert rel_err(logits[0, :SEQ_LEN], ref) < TOL
+    # the KV landed in the scrambled physical pages, in sequence order
+    for cache, cache_identity in ((kv.k, kv_identity.k), (kv.v, kv_identity.v)):
+        got = np.asarray(cache)[:, :, pages].reshape(*cache.shape[:2], -1, cache.shape[-1])
+        want = np.asarray(cache_identity)[:, :, 1:8].reshape(got.shape)
+        np.testing.assert_array_equal(got[:, :, :SEQ_LEN], want[:, :, :SEQ_LEN])
+
+
+def test_chunked_prefill(paged, one_shot):
+    ref, _ = one_shot
+    table = paged.table(range(1, 8))
+    kv, start, out = paged.fresh_kv(seed=2), 0, []
+    # (chunk, padded width as the engine buckets it); chunks 2-4 start mid-page (7, 23, 56)
+    for size, width in ((7, 16), (16, 16), (33, 64), (44, 64)):
+        logits, kv = paged.all_logits(kv, [paged.ids[start:start + size]], [start], [table],
+                                      width)
+        out.append(logits[0, :size])
+        start += size
+    assert start == SEQ_LEN
+    assert rel_err(np.concatenate(out), ref) < TOL
+
+
+def test_batched_rows_of_different_lengths(paged):
+    rng = np.random.default_rng(6)
+    lengths = (100, 5, 64, 0)  # the last row is batch padding, as the engine sends it
+    rows = [rng.integers(0, VOCAB, n) for n in lengths]
+    free = list(rng.permutation(np.arange(1, NUM_PAGES)))
+    tables = [paged.table([free.pop() for _ in range(-(-n // PAGE))]) for n in lengths]
+    batched, _ = paged.all_logits(paged.fresh_kv(seed=3), rows, [0] * 4, tables, ONE_SHOT_T)
+    for i, n in enumerate(lengths[:3]):
+        alone, _ = paged.all_logits(paged.fresh_kv(seed=4), [rows[i]], [0], [tables[i]],
+                                    ONE_SHOT_T)
+        assert rel_err(alone[0, :n], hf_logits(paged.hf, rows[i])) < TOL, f"row {i} alone"
+        assert rel_err(batched[i, :n], alone[0, :n]) < TOL, f"row {i} in the batch"
+
+
+def test_incremental_decode(paged, one_shot):
+    ref, _ = one_shot
+    table = paged.table(range(1, 8))[None]
+    greedy = SamplingBatch.build([SamplingParams()], [0], 1)
+    k = 40
+    tokens = paged.padded([paged.ids[:k]], 64)
+    next_token, logits, kv = paged.steps.prefill(
+        paged.params, paged.fresh_kv(seed=5), tokens, np.array([0], np.int32),
+        np.array([k], np.int32), table, greedy, True)
+    assert rel_err(np.asarray(logits)[0], ref[k - 1]) < TOL
+    assert int(next_token[0]) == ref[k - 1].argmax()
+    for pos in range(k, SEQ_LEN):  # crosses page boundaries (and slides the window)
+        next_token, logits, kv = paged.steps.decode(
+            paged.params, kv, np.array([paged.ids[pos]], np.int32), np.array([pos], np.int32),
+            table, greedy, True)
+        assert rel_err(np.asarray(logits)[0], ref[pos]) < TOL, f"position {pos}"
+        assert int(next_token[0]) == ref[pos].argmax(), f"position {pos}"
+
+
+def test_padding_past_the_window_stays_harmless(zoo):
+    """Padding queries more than a window past a row's last token see no key at all.
+
+    They must neither turn the row's logits to NaN nor leave NaN in the shared scratch page,
+    which every block table is padded with (0 * NaN = NaN for all later readers).
+    """
+    paged = Paged(zoo["mistral_window32"][1], zoo["mistral_window32"][0])
+    ref, _ = paged.one_shot(paged.fresh_kv())
+    assert paged.config.sliding_window == 32
+    table = paged.table(range(1, 8))
+    # 7 tokens padded to 48: padding positions 39..47 are > 32 past the last token (6)
+    logits, kv = paged.all_logits(paged.fresh_kv(seed=6), [paged.ids[:7]], [0], [table], 48)
+    assert rel_err(logits[0, :7], ref[:7]) < TOL
+    assert np.isfinite(np.asarray(kv.k)).all() and np.isfinite(np.asarray(kv.v)).all()
+    after, _ = paged.one_shot(kv)  # a later sequence reading the scratch page is unaffected
+    assert rel_err(after, ref) < TOL
+
+
+# ---------------------------------------------------------------- converted-params cache
+
+def _assert_same_params(a, b):
+    leaves_a = jax.tree_util.tree_leaves_with_path(a)
+    leaves_b = jax.tree_util.tree_leaves_with_path(b)
+    assert [p for p, _ in leaves_a] == [p for p, _ in leaves_b]
+    for (p, x), (_, y) in zip(leaves_a, leaves_b):
+        assert x.dtype == y.dtype, jax.tree_util.keystr(p)
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(p))
+
+
+def test_params_cache_hit(zoo, tmp_path):
+    _, path = zoo["qwen2_bias"]
+    first = load_weights(path, cache_dir=tmp_path)
+    second = load_weights(path, cache_dir=tmp_path)
+    assert not first.from_cache and second.from_cache
+    assert second.config == first.config
+    _assert_same_params(second.params, first.params)
+
+
+def _truncate(file):
+    os.truncate(file, os.path.getsize(file) // 2)
+
+
+def _garble(file):
+    """Invert 64 bytes in the middle of the file (its size is unchanged)."""
+    with open(file, "r+b") as f:
+        f.seek(os.path.getsize(file) // 2)
+        data = f.read(64)
+        f.seek(os.path.getsize(file) // 2)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garble], ids=["truncated", "garbled"])
+def test_params_cache_damaged_entry_is_rebuilt(zoo, tmp_path, caplog, damage):
+    _, path = zoo["qwen2_bias"]
+    fresh = load_weights(path, cache_dir=tmp_path)
+    (entry,) = (tmp_path / "params").iterdir()
+    files = [p for p in (entry / "params").rglob("*") if p.is_file()]
+    damage(max(files, key=lambda p: p.stat().st_size))  # the largest file: the weights
+
+    with caplog.at_level(logging.WARNING, logger="xlr_jax.weights"):
+        rebuilt = load_weights(path, cache_dir=tmp_path)
+    assert not rebuilt.from_cache, "a damaged cache entry was trusted"
+    assert any("converting again" in r.getMessage() for r in caplog.records)
+    _assert_same_params(rebuilt.params, fresh.params)
+
+    again = load_weights(path, cache_dir=tmp_path)  # the rebuilt entry serves the next load
+    assert again.from_cache
+    _assert_same_params(again.params, fresh.params)
