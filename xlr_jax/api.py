@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import jax
@@ -29,13 +30,14 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
                page_size: int = 64, num_pages: int | None = None, max_batch: int = 8,
                prefill_chunk: int = 512, max_context: int | None = None,
                attn_impl: str = "auto", cache_dir: str | os.PathLike | None = None,
-               params_cache: bool = True) -> "Model":
+               params_cache: bool = True, compile_cache: bool = True) -> "Model":
     """Load a model: "smollm2" (embedded), a .gguf file or a Hugging Face directory.
 
     dtype: compute/weight dtype ("float32" or "bfloat16"; default per backend).
     page_size, num_pages: the KV page pool (default: room for two full contexts).
     max_batch: sequences decoded together; prefill_chunk: tokens per prefill call.
-    cache_dir: where converted params are cached (default ~/.cache/xlr-jax).
+    cache_dir: where converted params (and, with compile_cache, XLA executables)
+    are cached (default ~/.cache/xlr-jax); a second process skips both.
     """
     dtype = dtype or _default_dtype()
     if dtype not in _DTYPES:
@@ -45,7 +47,12 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
         if not isinstance(value, int) or value < 1:
             raise InvalidRequestError(f"{name} must be a positive integer (got {value!r})")
     path = resolve_model(name_or_path)
-    cache = (cache_dir or default_cache_dir()) if params_cache else None
+    cache_root = Path(cache_dir or default_cache_dir())
+    cache = cache_root if params_cache else None
+    if compile_cache and not jax.config.jax_compilation_cache_dir:
+        # a restart then loads each step's executable instead of compiling it (~5 s each)
+        jax.config.update("jax_compilation_cache_dir", str(cache_root / "jax-compile"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     loaded = load_weights(path, dtype=np.dtype(_DTYPES[dtype]), cache_dir=cache)
     config = loaded.config
     tokenizer = _load_tokenizer(path)

@@ -1,0 +1,120 @@
+"""The host page pool (refcounts, copy-on-write) and the compile-once-per-bucket rule."""
+from collections import Counter
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xlr_jax import OutOfPagesError
+from xlr_jax.paged_kv import SCRATCH_PAGE, PagedKV, PagePool, SequencePages, copy_pages
+
+
+def check_pool(pool: PagePool, seqs: list[SequencePages]) -> None:
+    refs = Counter(p for s in seqs for p in s.pages)
+    assert SCRATCH_PAGE not in refs
+    for page in range(1, pool.num_pages):
+        assert pool.refcounts[page] == refs.get(page, 0)
+    free = list(pool._free)
+    assert len(free) == len(set(free)) and not set(free) & set(refs)
+    assert len(free) + len(refs) == pool.num_pages - 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["new", "grow", "fork", "release"]),
+                          st.integers(0, 1000), st.integers(1, 40)), max_size=60))
+def test_random_operations_keep_refcounts_consistent(ops):
+    pool = PagePool(num_pages=24, page_size=8)
+    seqs: list[SequencePages] = []
+    for op, pick, n in ops:
+        try:
+            if op == "new" or not seqs:
+                seq = SequencePages(pool)
+                seq.reserve(n)
+                seq.length = n
+                seqs.append(seq)
+            elif op == "grow":
+                seq = seqs[pick % len(seqs)]
+                before = list(seq.pages)
+                copies = seq.reserve(seq.length + n)
+                for src, dst in copies:  # copy-on-write replaced exactly the shared tail page
+                    assert src == before[-1] and dst == seq.pages[len(before) - 1]
+                seq.length += n
+            elif op == "fork":
+                seqs.append(seqs[pick % len(seqs)].fork())
+            else:
+                seqs.pop(pick % len(seqs)).release()
+        except OutOfPagesError:
+            pass  # all-or-nothing: the pool must still be consistent
+        check_pool(pool, seqs)
+    for seq in seqs:
+        seq.release()
+    assert pool.num_free == pool.num_pages - 1
+
+
+def test_fork_then_append_copies_only_the_partial_page():
+    pool = PagePool(num_pages=8, page_size=4)
+    parent = SequencePages(pool)
+    parent.reserve(6)
+    parent.length = 6                      # pages [a, b], b half full
+    a, b = parent.pages
+    child = parent.fork()
+    copies = child.reserve(7)               # child appends into shared b: private copy
+    assert copies == [(b, child.pages[1])] and child.pages[1] != b
+    assert child.pages[0] == a and pool.refcounts[a] == 2  # the full page stays shared
+    assert parent.reserve(7) == []          # b is no longer shared: written in place
+    assert parent.pages == [a, b] and pool.refcounts[b] == 1
+
+
+def test_cow_device_copy_preserves_contents():
+    kv = PagedKV.create(num_layers=2, num_kv_heads=2, head_dim=4, num_pages=6, page_size=4)
+    rng = np.random.default_rng(0)
+    kv = PagedKV(k=jnp.asarray(rng.normal(size=kv.k.shape), jnp.float32),
+                 v=jnp.asarray(rng.normal(size=kv.v.shape), jnp.float32))
+    before_k, before_v = np.asarray(kv.k), np.asarray(kv.v)
+    kv = copy_pages(kv, jnp.array([2, 3]), jnp.array([5, 1]))
+    k, v = np.asarray(kv.k), np.asarray(kv.v)
+    np.testing.assert_array_equal(k[:, :, 5], before_k[:, :, 2])
+    np.testing.assert_array_equal(v[:, :, 1], before_v[:, :, 3])
+    np.testing.assert_array_equal(k[:, :, 4], before_k[:, :, 4])
+
+
+def test_out_of_pages_is_all_or_nothing():
+    pool = PagePool(num_pages=4, page_size=4)
+    seq = SequencePages(pool)
+    with pytest.raises(OutOfPagesError, match="only 3 of 3"):
+        seq.reserve(17)
+    assert pool.num_free == 3 and seq.pages == []
+
+
+def test_engine_waits_for_pages_instead_of_failing(tmp_path):
+    """With room for one sequence at a time, a batch still completes, one after another."""
+    import xlr_jax
+
+    small = xlr_jax.load_model("smollm2", cache_dir=tmp_path, num_pages=4, page_size=16,
+                               max_context=48)
+    prompts = ["The capital of France is", "Water boils at", "My favourite colour"]
+    alone = [small.generate(p, max_tokens=8).token_ids for p in prompts]
+    assert [r.token_ids for r in small.generate(prompts, max_tokens=8)] == alone
+    assert small.engine.pool.num_free == 3
+
+
+def test_each_step_compiles_once_per_bucket(model):
+    engine = model.engine
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+
+    def workload():
+        rng = np.random.default_rng(0)
+        for _ in range(50):
+            batch = int(rng.integers(1, 4))
+            prompts = [" ".join(rng.choice(words, int(rng.integers(1, 60)))) for _ in range(batch)]
+            model.generate(prompts, max_tokens=int(rng.integers(1, 4)))
+
+    workload()
+    first = engine.steps.compilations()
+    b = engine.buckets
+    combos = len(b.batch) * len(b.chunk) * len(b.pages) * 2  # x2: greedy-only or sampling
+    assert first["prefill"] <= combos and first["decode"] <= len(b.batch) * len(b.pages) * 2
+    workload()  # the same mix of shapes again: nothing new to compile
+    assert engine.steps.compilations() == first
