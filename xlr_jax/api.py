@@ -28,7 +28,7 @@ def _default_dtype() -> str:
 
 def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None = None,
                page_size: int = 64, num_pages: int | None = None, max_batch: int = 8,
-               prefill_chunk: int = 512, max_context: int | None = None,
+               prefill_chunk: int = 256, max_context: int | None = None,
                attn_impl: str = "auto", cache_dir: str | os.PathLike | None = None,
                params_cache: bool = True, compile_cache: bool = True) -> "Model":
     """Load a model: "smollm2" (embedded), a .gguf file or a Hugging Face directory.

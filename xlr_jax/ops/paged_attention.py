@@ -39,24 +39,25 @@ def paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions, *,
     group = num_heads // kv_heads
     span = block_tables.shape[1] * page_size
 
-    # [kv_heads, batch, pages_per_seq, page_size, head_dim] -> one run per sequence
+    # [kv_heads, batch, pages_per_seq, page_size, head_dim] -> one run per sequence;
+    # (kv_heads, batch) stay the leading batch dims so XLA needs no transposes
     k = k_pages[:, block_tables].reshape(kv_heads, batch, span, head_dim)
     v = v_pages[:, block_tables].reshape(kv_heads, batch, span, head_dim)
-    qg = q.reshape(batch, q_len, kv_heads, group, head_dim)
+    qg = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(2, 0, 3, 1, 4)
 
-    scores = jnp.einsum("btkgd,kbsd->bkgts", qg, k,
-                        preferred_element_type=jnp.float32)
+    scores = jnp.einsum("kbgtd,kbsd->kbgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (head_dim ** -0.5)
     kv_pos = jnp.arange(span, dtype=jnp.int32)
     visible = (kv_pos[None, None, :] <= q_positions[:, :, None]) & (
         kv_pos[None, None, :] < lengths[:, None, None])
     if sliding_window is not None:
         visible &= kv_pos[None, None, :] > q_positions[:, :, None] - sliding_window
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    scores = jnp.where(visible[None, :, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     # a query that sees nothing (padding past a window) must give zeros, not NaN:
     # NaN written to the shared scratch page would reach every row (0 * NaN)
-    probs = jnp.where(visible.any(-1)[:, None, None, :, None], probs, 0.0)
-    out = jnp.einsum("bkgts,kbsd->btkgd", probs.astype(v.dtype), v,
+    probs = jnp.where(visible.any(-1)[None, :, None, :, None], probs, 0.0)
+    out = jnp.einsum("kbgts,kbsd->kbgtd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
+    out = out.transpose(1, 3, 0, 2, 4)
     return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,113 @@
+"""The benchmark runner end to end, in --quick sizes: JSON written, figures sane, greedy parity."""
+
+import argparse
+import json
+import subprocess
+import tomllib
+from pathlib import Path
+
+import jax
+import pytest
+
+from xlr_jax import bench
+from xlr_jax.bench import run_bench
+from xlr_jax.config import ModelConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_quick_cpu_bench_writes_results(tmp_path):
+    result = run_bench(str(REPO / "experiments/cpu_vs_transformers.toml"), out_dir=str(tmp_path),
+                       quick=True)
+    path = Path(result["json_path"])
+    assert path.parent == tmp_path and path.name.startswith("cpu_vs_transformers-")
+    data = json.loads(path.read_text())
+
+    for key in ("environment", "git", "config", "settings", "bandwidth", "engines", "targets"):
+        assert key in data
+    for key in ("python", "jax_version", "jaxlib_version", "numpy_version", "torch_version",
+                "transformers_version", "platform", "cpu_model", "cpu_count", "device_kind"):
+        assert key in data["environment"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    assert data["git"]["sha"] == (head.stdout.strip() if head.returncode == 0 else None)
+    assert isinstance(data["git"]["dirty"], bool)
+    assert data["bandwidth"]["read_bandwidth_gb_per_s"] > 0
+
+    decode = data["settings"]["decode_tokens"]
+    xlr, hf = data["engines"]["xlr-jax"], data["engines"]["transformers"]
+    for engine in (xlr, hf):
+        assert engine["ttft_s"] > 0 and engine["decode_tokens_per_s"] > 0
+        assert engine["completion_tokens"] == decode
+        assert engine["roofline"]["bytes_per_token"] > engine["roofline"]["weight_bytes_per_token"] > 0
+        assert engine["roofline"]["roofline_decode_tokens_per_s"] > 0
+    vs = xlr["vs_transformers"]
+    assert vs["decode_speedup_vs_transformers"] > 0 and vs["ttft_ratio_vs_transformers"] > 0
+    assert vs["greedy_agreement_tokens"] == vs["decoded_tokens"] == decode
+    assert {"xlr-jax.decode_speedup_vs_transformers", "xlr-jax.roofline_fraction",
+            "xlr-jax.ttft_ratio_vs_transformers"} <= data["targets"].keys()
+    assert all(isinstance(t["pass"], bool) for t in data["targets"].values())
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the message shown without a GPU")
+def test_gpu_config_exits_2_without_a_gpu(capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_cli(parser.add_subparsers())
+    args = parser.parse_args(["bench", str(REPO / "experiments/gpu_decode.toml")])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs a GPU" in err and "\n" not in err
+
+
+def test_gpu_config_describes_llama3_8b():
+    config = tomllib.loads((REPO / "experiments/gpu_decode.toml").read_text())
+    assert config["requirements"]["gpu"] is True
+    shape = next(e["shape"] for e in config["engines"] if e["kind"] == "xlr-random")
+    assert round(ModelConfig(**shape).num_params() / 1e9, 2) == 8.03
+
+
+TINY_RANDOM = """
+[requirements]
+gpu = false
+[run]
+prompt_tokens = 40
+decode_tokens = 8
+repeats = 2
+bandwidth = "copy"
+bandwidth_gib = 0.0625
+bandwidth_runs = 2
+[prompt]
+kind = "random"
+seed = 1
+[[engines]]
+kind = "xlr-random"
+label = "tiny"
+dtype = "float32"
+[engines.shape]
+architecture = "llama"
+vocab_size = 512
+hidden_size = 64
+num_layers = 2
+num_heads = 4
+num_kv_heads = 2
+head_dim = 16
+intermediate_size = 128
+rms_norm_eps = 1e-5
+rope_theta = 10000.0
+max_context = 256
+tie_embeddings = false
+[targets]
+roofline_fraction_min = 0.8
+"""
+
+
+def test_random_weight_engine_path(tmp_path):
+    """The GPU config's path (random weights, random prompt, copy bandwidth), tiny, on any backend."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_RANDOM)
+    result = run_bench(str(config), out_dir=str(tmp_path / "out"))
+    tiny = result["engines"]["tiny"]
+    assert tiny["completion_tokens"] == 8 and tiny["tokens_identical_across_runs"]
+    assert result["bandwidth"]["copy_bandwidth_gb_per_s"] > 0
+    # untied: the embedding is only gathered, so it is left out of the bytes read per token
+    assert tiny["roofline"]["weight_bytes_per_token"] == tiny["param_bytes"] - 512 * 64 * 4
+    assert list(result["targets"]) == ["tiny.roofline_fraction"]

@@ -1,0 +1,190 @@
+"""The benchmark runner: `xlr bench CONFIG.toml` measures engines, writes JSON, prints a table.
+
+A config (see experiments/*.toml) names the engines, the prompt and decode
+lengths, the bandwidth probe and the targets; `[quick]` overrides `[run]` for
+smoke tests. Results go to experiments/results/<config stem>-<UTC time>.json.
+"""
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import tomllib
+from datetime import datetime, timezone
+from pathlib import Path
+
+import jax
+
+from xlr_jax.bench_runners import (RUNNERS, leading_agreement, measure, measure_bandwidth,
+                                   prompt_ids, roofline)
+from xlr_jax.errors import XlrError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class BenchError(XlrError):
+    """The config cannot be read, or needs hardware this machine lacks."""
+
+
+def run_bench(config_path: str, out_dir: str | None = None, quick: bool = False) -> dict:
+    """Run the config's engines; write and return the results (plus their `json_path`)."""
+    path = Path(config_path)
+    try:
+        config = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise BenchError(f"cannot read the config {path}: {e}") from e
+    backend = jax.default_backend()
+    if config.get("requirements", {}).get("gpu") and backend != "gpu":
+        raise BenchError(
+            f"{path} needs a GPU ([requirements] gpu = true) but JAX sees only the {backend}; "
+            "run it on a GPU machine with jax[cuda12]")
+    run = {**config["run"], **(config.get("quick", {}) if quick else {})}
+    engine_specs = config["engines"]
+    started = datetime.now(timezone.utc)
+    t0, load_before = time.perf_counter(), os.getloadavg()[0]
+
+    kind = run.get("bandwidth", "read")
+    bandwidth = measure_bandwidth(kind, run.get("bandwidth_gib", 1.0), run.get("bandwidth_runs", 10))
+    gb_per_s = bandwidth[f"{kind}_bandwidth_gb_per_s"]
+    engines, ids = {}, None
+    for spec in engine_specs:
+        runner = RUNNERS[spec["kind"]](spec)
+        if ids is None or config["prompt"]["kind"] == "random":  # random ids follow the vocab
+            ids = prompt_ids(config["prompt"], run["prompt_tokens"], runner)
+        figures = measure(runner, ids, run["decode_tokens"], run["repeats"], run.get("warmup", 1))
+        figures["roofline"] = roofline(runner, len(ids), run["decode_tokens"], gb_per_s,
+                                       figures["decode_tokens_per_s"])
+        engines[runner.label] = {"kind": runner.kind, **runner.info, **figures}
+        del runner  # one model in memory at a time
+        gc.collect()
+
+    _compare_to_baseline(engines)
+    targets = _check_targets(config.get("targets", {}), engines)
+    result = {
+        "config_path": str(path), "config": config, "quick": quick,
+        "settings": {**run, "prompt_tokens": len(ids)},
+        "started_utc": started.isoformat(), "wall_s": time.perf_counter() - t0,
+        # other work on the machine skews every figure; well above 0 at start means it was busy
+        "load_average_1m": {"start": load_before, "end": os.getloadavg()[0]},
+        "environment": _environment(any(s["kind"] == "transformers" for s in engine_specs)),
+        "git": _git_state(),
+        "bandwidth": bandwidth, "engines": engines, "targets": targets,
+        "all_targets_pass": all(t["pass"] for t in targets.values()),
+    }
+    out = Path(out_dir) if out_dir else path.parent / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"{path.stem}-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(_table(result))
+    print(f"results: {json_path}")
+    return {**result, "json_path": str(json_path)}
+
+
+def _compare_to_baseline(engines: dict) -> None:
+    """Add speed ratios and greedy agreement against the transformers engine of the same model."""
+    base = next((e for e in engines.values() if e["kind"] == "transformers"), None)
+    if base is None:
+        return
+    for e in engines.values():
+        if e["kind"] != "transformers" and e["model"] == base["model"]:
+            e["vs_transformers"] = {
+                "decode_speedup_vs_transformers": e["decode_tokens_per_s"] / base["decode_tokens_per_s"],
+                "ttft_ratio_vs_transformers": e["ttft_s"] / base["ttft_s"],
+                "greedy_agreement_tokens": leading_agreement(e["token_ids"], base["token_ids"]),
+                "decoded_tokens": e["completion_tokens"],
+            }
+
+
+def _check_targets(targets: dict, engines: dict) -> dict:
+    """Targets are `<figure>_min` / `<figure>_max`, checked on every xlr engine that has the figure."""
+    out = {}
+    for label, e in engines.items():
+        if e["kind"] == "transformers":
+            continue
+        figures = {"roofline_fraction": e["roofline"]["roofline_fraction"],
+                   **e.get("vs_transformers", {})}
+        for key, bound in targets.items():
+            name, _, side = key.rpartition("_")
+            if name in figures:
+                value = figures[name]
+                ok = value >= bound if side == "min" else value <= bound
+                out[f"{label}.{name}"] = {"value": value, side: bound, "pass": ok}
+    return out
+
+
+def _environment(uses_torch: bool) -> dict:
+    packages = ["jax", "jaxlib", "numpy"] + (["torch", "transformers"] if uses_torch else [])
+    env = {f"{p}_version": importlib.metadata.version(p) for p in packages}
+    env.update(python=platform.python_version(), platform=platform.platform(),
+               cpu_model=_cpu_model(), cpu_count=os.cpu_count(),
+               jax_backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind,
+               device_count=jax.device_count())
+    return env
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def _git_state() -> dict:
+    def git(*args):
+        try:
+            r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    status = git("status", "--porcelain")  # None outside a repo; sha None before the first commit
+    return {"sha": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+def _table(result: dict) -> str:
+    bw = result["bandwidth"]
+    lines = [f"{'engine':<18}{'ttft_s':>9}{'decode tok/s':>14}{'roofline tok/s':>16}{'fraction':>10}"]
+    for label, e in result["engines"].items():
+        r = e["roofline"]
+        lines.append(f"{label:<18}{e['ttft_s']:>9.3f}{e['decode_tokens_per_s']:>14.1f}"
+                     f"{r['roofline_decode_tokens_per_s']:>16.1f}{r['roofline_fraction']:>10.2f}")
+    lines.append(f"{bw['kind']} bandwidth {bw[bw['kind'] + '_bandwidth_gb_per_s']:.1f} GB/s "
+                 f"({result['environment']['device_kind']})")
+    for label, e in result["engines"].items():
+        r = e["roofline"]
+        lines.append(f"{label}: {r['bytes_per_token'] / 1e6:.1f} MB/token (weights "
+                     f"{r['weight_bytes_per_token'] / 1e6:.1f} + KV {r['kv_bytes_per_token'] / 1e6:.1f})")
+        if "vs_transformers" in e:
+            v = e["vs_transformers"]
+            lines.append(f"{label} vs transformers: decode x{v['decode_speedup_vs_transformers']:.2f}, "
+                         f"TTFT ratio {v['ttft_ratio_vs_transformers']:.2f}, greedy agreement "
+                         f"{v['greedy_agreement_tokens']}/{v['decoded_tokens']} tokens")
+    for name, t in result["targets"].items():
+        bound = f">= {t['min']}" if "min" in t else f"<= {t['max']}"
+        lines.append(f"target {name} {bound}: {t['value']:.3f} {'PASS' if t['pass'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def add_cli(subparsers) -> None:
+    """Register `bench CONFIG.toml [--out DIR] [--quick]` on an argparse subparsers object."""
+    p = subparsers.add_parser("bench", help="run a benchmark config (experiments/*.toml)")
+    p.add_argument("config", metavar="CONFIG.toml", help="the benchmark config")
+    p.add_argument("--out", metavar="DIR", help="results folder (default: results/ beside the config)")
+    p.add_argument("--quick", action="store_true", help="the config's [quick] sizes: a smoke test")
+    p.set_defaults(func=_cli)
+
+
+def _cli(args) -> int:
+    try:
+        run_bench(args.config, args.out, quick=args.quick)
+    except BenchError as e:
+        print(f"xlr bench: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,254 @@
+"""What `xlr_jax.bench` measures: engines behind one `generate`, bandwidth, the decode roofline.
+
+Every engine (xlr-jax on a real or a random-weight model, transformers) is a
+runner with `generate(ids, n) -> Run`; `measure` times any of them the same way.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from xlr_jax.api import load_model
+from xlr_jax.config import ModelConfig
+from xlr_jax.engine import Engine
+from xlr_jax.model import LayerParams, Params
+from xlr_jax.registry import resolve_model
+from xlr_jax.sampling import SamplingParams
+
+
+class Run(NamedTuple):
+    tokens: list[int]
+    ttft_s: float
+    decode_tokens_per_s: float
+
+
+class XlrRunner:
+    """An xlr-jax `Engine`, greedy with EOS ignored so every run decodes exactly n tokens."""
+
+    kind = "xlr"
+
+    def __init__(self, label: str, engine: Engine, info: dict):
+        self.label, self.engine = label, engine
+        self.info = {**info, "method": "Engine.run() of one prompt per run: ttft_s = first "
+                                        "token - run start (prefill), decode_tokens_per_s = "
+                                        "(n - 1) / (last token - first token)"}
+        self.vocab_size = engine.config.vocab_size
+        params, c = engine.params, engine.config
+        # An untied embedding is only gathered (one row per token); the LM head is read whole.
+        self.weight_bytes_per_token = params.nbytes() - (
+            0 if params.lm_head is None else params.embed.nbytes)
+        self.kv_bytes_per_position = (c.num_layers * 2 * c.num_kv_heads * c.head_dim
+                                      * engine.kv.k.dtype.itemsize)
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text)
+
+    def generate(self, ids: list[int], n: int) -> Run:
+        params = SamplingParams(max_tokens=n, ignore_eos=True)
+        done = next(d for _, _, d in self.engine.run([ids], [params]) if d is not None)
+        return Run(done.token_ids, done.metrics["ttft_s"], done.metrics["decode_tokens_per_s"])
+
+
+def load_xlr(spec: dict) -> XlrRunner:
+    model = load_model(spec["model"], dtype=spec.get("dtype"))
+    info = {"model": spec["model"], "dtype": model.dtype, "param_bytes": model.engine.params.nbytes(),
+            "attn_impl": model.engine.steps.attn_impl}
+    return XlrRunner(spec.get("label", "xlr-jax"), model.engine, info)
+
+
+class _NoText:
+    """Stands in for a tokenizer: random weights produce no text worth decoding."""
+
+    eos_token_ids = frozenset()
+
+    def incremental_decoder(self):
+        return self
+
+    def push(self, token: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+def random_params(config: ModelConfig, dtype, seed: int) -> Params:
+    """Random weights, built per layer on the device (decode speed does not depend on values)."""
+    keys = iter(jax.random.split(jax.random.key(seed), 4 * config.num_layers + 2))
+    d, ffn = config.hidden_size, config.intermediate_size
+    qkv = config.q_size + 2 * config.kv_size
+
+    def w(*shape):
+        return jax.random.normal(next(keys), shape, dtype) * jnp.asarray(0.02, dtype)
+
+    layers = tuple(LayerParams(attn_norm=jnp.ones(d, dtype), wqkv=w(qkv, d), bqkv=None,
+                               wo=w(d, config.q_size), mlp_norm=jnp.ones(d, dtype),
+                               w_gate_up=w(2 * ffn, d), w_down=w(d, ffn))
+                   for _ in range(config.num_layers))
+    return Params(embed=w(config.vocab_size, d), layers=layers, final_norm=jnp.ones(d, dtype),
+                  lm_head=None if config.tie_embeddings else w(config.vocab_size, d))
+
+
+def random_xlr(spec: dict) -> XlrRunner:
+    dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
+    config = ModelConfig(**spec["shape"])
+    page_size = spec.get("page_size", 64)
+    engine = Engine(config, random_params(config, dtype, spec.get("seed", 0)), _NoText(),
+                    page_size=page_size, num_pages=2 * -(-config.max_context // page_size) + 1,
+                    max_batch=1, prefill_chunk=spec.get("prefill_chunk", 512),
+                    max_context=config.max_context, kv_dtype=dtype)
+    info = {"model": f"random {config.architecture} weights", "dtype": dtype.name,
+            "shape": spec["shape"], "param_bytes": engine.params.nbytes(),
+            "attn_impl": engine.steps.attn_impl}
+    return XlrRunner(spec.get("label", "xlr-jax-random"), engine, info)
+
+
+class TransformersRunner:
+    """transformers' greedy `generate` on the CPU in f32, timed per token through a streamer."""
+
+    kind = "transformers"
+
+    def __init__(self, spec: dict):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        path = resolve_model(spec["model"])
+        self._source = ((str(path.parent), {"gguf_file": path.name}) if path.is_file()
+                        else (str(path), {}))
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self._source[0], dtype=torch.float32, **self._source[1]).eval()
+        self.label = spec.get("label", "transformers")
+        self.vocab_size = self.model.config.vocab_size
+        c = self.model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        embed = self.model.get_input_embeddings().weight
+        tied = embed is self.model.get_output_embeddings().weight
+        # parameters() lists a tied weight once; an untied embedding is only gathered
+        self.weight_bytes_per_token = sum(p.nbytes for p in self.model.parameters()) - (
+            0 if tied else embed.nbytes)
+        self.kv_bytes_per_position = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 4
+        self.info = {"model": spec["model"], "dtype": "float32", "threads": torch.get_num_threads(),
+                     "method": "one greedy generate() with a KV cache per run; a streamer "
+                               "stamps each new token: ttft_s = first token - call start "
+                               "(prefill of the prompt), decode_tokens_per_s = (n - 1) / "
+                               "(last token - first token)"}
+
+    def encode(self, text: str) -> list[int]:
+        from transformers import AutoTokenizer
+
+        # loaded only here: configs usually take their prompt ids from the xlr-jax engine
+        return AutoTokenizer.from_pretrained(self._source[0], **self._source[1]).encode(text)
+
+    def generate(self, ids: list[int], n: int) -> Run:
+        import torch
+
+        stamps = _TokenTimes()
+        inputs = torch.tensor([ids])
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs),
+                                      max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                      pad_token_id=self.model.generation_config.eos_token_id,
+                                      streamer=stamps)
+        first, last = stamps.times[0], stamps.times[-1]
+        return Run(out[0, len(ids):].tolist(), first - start,
+                   (n - 1) / (last - first) if n > 1 else 0.0)
+
+
+class _TokenTimes:
+    """A generate() streamer that records when each new token reaches the host."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False  # generate() puts the prompt first
+
+    def put(self, value) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+RUNNERS = {"xlr": load_xlr, "xlr-random": random_xlr, "transformers": TransformersRunner}
+
+
+def prompt_ids(spec: dict, n: int, runner) -> list[int]:
+    """`n` prompt ids: a passage with its sentences shuffled by a fixed seed, or random ids."""
+    rng = random.Random(spec.get("seed", 0))
+    if spec["kind"] == "random":
+        return [rng.randrange(runner.vocab_size) for _ in range(n)]
+    sentences = [s.strip() + "." for s in spec["passage"].split(".") if s.strip()]
+    text, ids = "", []
+    while len(ids) < n:
+        rng.shuffle(sentences)
+        text += " ".join(sentences) + "\n\n"
+        ids = runner.encode(text)
+    return ids[:n]
+
+
+def measure(runner, ids: list[int], n: int, repeats: int, warmup: int) -> dict:
+    """Median TTFT and decode speed over `repeats` runs, after `warmup` runs of the same shapes."""
+    warm = [runner.generate(ids, n) for _ in range(warmup)]
+    runs = [runner.generate(ids, n) for _ in tqdm(range(repeats), desc=runner.label, unit="run")]
+    return {
+        "ttft_s": statistics.median(r.ttft_s for r in runs),
+        "decode_tokens_per_s": statistics.median(r.decode_tokens_per_s for r in runs),
+        "ttft_s_runs": [r.ttft_s for r in runs],
+        "decode_tokens_per_s_runs": [r.decode_tokens_per_s for r in runs],
+        "warmup_ttft_s": [r.ttft_s for r in warm],  # includes compilation for xlr-jax
+        "completion_tokens": len(runs[0].tokens),
+        "tokens_identical_across_runs": all(r.tokens == runs[0].tokens for r in runs + warm),
+        "token_ids": runs[0].tokens,
+    }
+
+
+def measure_bandwidth(kind: str, gib: float, runs: int) -> dict:
+    """Device memory bandwidth from a jitted pass over a large f32 array (median of runs)."""
+    x = jnp.ones(int(gib * 2 ** 30) // 4, jnp.float32)
+    if kind == "read":  # bytes read once
+        fn, moved, how = jax.jit(jnp.sum), x.nbytes, "jitted jnp.sum over an f32 array"
+    elif kind == "copy":  # read once, written once
+        fn, moved, how = jax.jit(lambda a: a + 1), 2 * x.nbytes, "jitted x + 1 (read + write)"
+    else:
+        raise ValueError(f"bandwidth kind must be 'read' or 'copy' (got {kind!r})")
+    fn(x).block_until_ready()
+    rates = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn(x).block_until_ready()
+        rates.append(moved / (time.perf_counter() - t) / 1e9)
+    return {"kind": kind, "method": how, "array_bytes": x.nbytes, "runs": runs,
+            f"{kind}_bandwidth_gb_per_s": statistics.median(rates), "runs_gb_per_s": rates}
+
+
+def roofline(runner, prompt_tokens: int, decode_tokens: int, bandwidth_gb_per_s: float,
+             measured_tokens_per_s: float) -> dict:
+    """Bytes one decode step must read (weights + KV at the mean context) against bandwidth."""
+    # decode step j (1..n-1) attends over prompt + j positions: mean prompt + n/2
+    context = prompt_tokens + decode_tokens / 2
+    kv = runner.kv_bytes_per_position * context
+    per_token = runner.weight_bytes_per_token + kv
+    best = bandwidth_gb_per_s * 1e9 / per_token
+    return {"method": "bytes_per_token = weights read per token (all params, less an untied "
+                      "input embedding, which is only gathered) + KV bytes per position x the "
+                      "mean decode context; roofline = bandwidth / bytes_per_token",
+            "weight_bytes_per_token": runner.weight_bytes_per_token,
+            "kv_bytes_per_position": runner.kv_bytes_per_position,
+            "mean_decode_context_tokens": context, "kv_bytes_per_token": kv,
+            "bytes_per_token": per_token,
+            "decode_bytes_total": per_token * (decode_tokens - 1),
+            "roofline_decode_tokens_per_s": best,
+            "roofline_fraction": measured_tokens_per_s / best}
+
+
+def leading_agreement(a: list[int], b: list[int]) -> int:
+    """How many tokens two greedy runs share before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
