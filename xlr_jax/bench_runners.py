@@ -62,21 +62,6 @@ def load_xlr(spec: dict) -> XlrRunner:
     return XlrRunner(spec.get("label", "xlr-jax"), model.engine, info)
 
 
-class _NoText:
-    """Stands in for a tokenizer: random weights produce no text worth decoding."""
-
-    eos_token_ids = frozenset()
-
-    def incremental_decoder(self):
-        return self
-
-    def push(self, token: int) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
-
-
 def random_params(config: ModelConfig, dtype, seed: int) -> Params:
     """Random weights, built per layer on the device (decode speed does not depend on values)."""
     keys = iter(jax.random.split(jax.random.key(seed), 4 * config.num_layers + 2))
@@ -98,7 +83,7 @@ def random_xlr(spec: dict) -> XlrRunner:
     dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
     config = ModelConfig(**spec["shape"])
     page_size = spec.get("page_size", 64)
-    engine = Engine(config, random_params(config, dtype, spec.get("seed", 0)), _NoText(),
+    engine = Engine(config, random_params(config, dtype, spec.get("seed", 0)), None,
                     page_size=page_size, num_pages=2 * -(-config.max_context // page_size) + 1,
                     max_batch=1, prefill_chunk=spec.get("prefill_chunk", 512),
                     max_context=config.max_context, kv_dtype=dtype)

@@ -310,8 +310,13 @@ def _powers_of_two_upto(n: int, start: int = 1) -> tuple[int, ...]:
 
 
 def _page_width_buckets(max_pages: int) -> tuple[int, ...]:
-    """Block-table widths growing ~1.5x: attention reads the whole width, so stay close."""
-    sizes = [4]
+    """Block-table widths: every 2 pages up to 32, then ~1.25x.
+
+    Attention reads the whole width, and on the CPU a decode step costs ~4.3 ms
+    more per 1k positions read (measured), so padding is kept small.
+    """
+    sizes = [2]
     while sizes[-1] < max_pages:
-        sizes.append(min(max(sizes[-1] + 4, int(sizes[-1] * 1.5) // 4 * 4), max_pages))
+        step = 2 if sizes[-1] < 32 else sizes[-1] // 4
+        sizes.append(min(sizes[-1] + step, max_pages))
     return tuple(sizes)
