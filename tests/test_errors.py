@@ -101,3 +101,11 @@ def test_cli_error_is_one_line_and_exit_2(tmp_path):
 def test_cli_bad_sampling_value_exit_2(cache_dir):
     proc = run_cli("generate", "--cache-dir", str(cache_dir), "--temperature", "-1", "hi")
     assert proc.returncode == 2 and "temperature must be >= 0" in proc.stderr
+
+
+def test_abandoned_stream_gives_its_pages_back(model):
+    pieces = model.stream("Once upon a time", max_tokens=64, ignore_eos=True)
+    assert next(pieces) and next(pieces)
+    pieces.close()  # the caller walked away mid-generation
+    assert model.engine.pool.num_free == model.engine.pool.num_pages - 1
+    assert model.generate("The capital of France is", max_tokens=4).finish_reason == "length"
