@@ -144,9 +144,10 @@ class Model:
     @staticmethod
     def _sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos):
         try:
+            stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
             return SamplingParams(temperature=float(temperature), top_k=int(top_k),
                                   top_p=float(top_p), min_p=float(min_p), seed=int(seed),
-                                  max_tokens=int(max_tokens), stop=tuple([stop] if isinstance(stop, str) else stop or ()),
+                                  max_tokens=int(max_tokens), stop=stops,
                                   ignore_eos=bool(ignore_eos))
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"invalid sampling value: {e}") from e

@@ -2,8 +2,10 @@
 
 Weights keep the [out, in] layout (x @ W.T): XLA:CPU streams a row-major
 matrix-vector product fastest that way. Q/K/V and gate/up are fused so a
-decode step issues four matmuls per layer. Per-layer weights are stacked on
-axis 0; the layer loop is unrolled (measured faster than `lax.scan` on the CPU).
+decode step issues four matmuls per layer. Loaded weights are stacked on axis
+0 (`LayerParams` with a leading layer axis); the runtime splits them into one
+buffer per layer (`Params.per_layer`) and unrolls the layer loop, because
+XLA:CPU copies each slice of a stacked weight before its matmul.
 """
 from __future__ import annotations
 
