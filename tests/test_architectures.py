@@ -250,7 +250,7 @@ class Paged:
 
     def fresh_kv(self, seed=0) -> PagedKV:
         c = self.config
-        shape = (c.num_layers, c.num_kv_heads, NUM_PAGES, PAGE, c.head_dim)
+        shape = (c.num_layers, NUM_PAGES, c.num_kv_heads, PAGE, c.head_dim)
         kk, kv = jax.random.split(jax.random.key(seed))
         return PagedKV(k=jax.random.normal(kk, shape), v=jax.random.normal(kv, shape))
 
@@ -304,9 +304,12 @@ def test_scrambled_block_table(paged, one_shot):
     assert rel_err(logits[0, :SEQ_LEN], ref) < TOL
     # the KV landed in the scrambled physical pages, in sequence order
     for cache, cache_identity in ((kv.k, kv_identity.k), (kv.v, kv_identity.v)):
-        got = np.asarray(cache)[:, :, pages].reshape(*cache.shape[:2], -1, cache.shape[-1])
-        want = np.asarray(cache_identity)[:, :, 1:8].reshape(got.shape)
-        np.testing.assert_array_equal(got[:, :, :SEQ_LEN], want[:, :, :SEQ_LEN])
+        # [layers, pages, kv_heads, page_size, head_dim] -> positions in sequence order
+        def positions(pool, ids):
+            got = np.asarray(pool)[:, ids].transpose(0, 2, 1, 3, 4)
+            return got.reshape(*got.shape[:2], -1, got.shape[-1])[:, :, :SEQ_LEN]
+        np.testing.assert_array_equal(positions(cache, pages),
+                                      positions(cache_identity, list(range(1, 8))))
 
 
 def test_chunked_prefill(paged, one_shot):

@@ -1,9 +1,11 @@
 """The paged KV cache: a device pytree of pages plus the host-side page pool.
 
 Device layout: `PagedKV.k` and `PagedKV.v` are
-    [layers, kv_heads, num_pages, page_size, head_dim]
+    [layers, num_pages, kv_heads, page_size, head_dim]
 so one layer's slice is the (k_pages, v_pages) pair that
-`xlr_jax.ops.paged_attention` reads. Page 0 is a scratch page: it is never
+`xlr_jax.ops.paged_attention` reads. Page-major: each page (all its KV heads)
+is one contiguous block, so gathering a sequence's pages is a row copy (on
+XLA:CPU ~3.5x cheaper than gathering per head from a head-major pool). Page 0 is a scratch page: it is never
 handed out, padded batch rows and padded chunk positions write into it, and
 block tables are padded with it.
 
@@ -29,13 +31,13 @@ SCRATCH_PAGE = 0
 
 @flax.struct.dataclass
 class PagedKV:
-    k: jax.Array  # [layers, kv_heads, num_pages, page_size, head_dim]
+    k: jax.Array  # [layers, num_pages, kv_heads, page_size, head_dim]
     v: jax.Array
 
     @classmethod
     def create(cls, *, num_layers, num_kv_heads, head_dim, num_pages, page_size,
                dtype=jnp.float32) -> "PagedKV":
-        shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     @property
@@ -44,7 +46,7 @@ class PagedKV:
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[1]
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
@@ -52,12 +54,11 @@ class PagedKV:
 
 def write_layer(pages, layer, page_ids, offsets, values):
     """Store `values` [n, kv_heads, head_dim] at (page_ids[n], offsets[n]) of one layer."""
-    return pages.at[layer, :, page_ids, offsets].set(values.astype(pages.dtype))
+    return pages.at[layer, page_ids, :, offsets].set(values.astype(pages.dtype))
 
 
 def _copy_pages(kv: PagedKV, src, dst) -> PagedKV:
-    return PagedKV(k=kv.k.at[:, :, dst].set(kv.k[:, :, src]),
-                   v=kv.v.at[:, :, dst].set(kv.v[:, :, src]))
+    return PagedKV(k=kv.k.at[:, dst].set(kv.k[:, src]), v=kv.v.at[:, dst].set(kv.v[:, src]))
 
 
 copy_pages = jax.jit(_copy_pages, donate_argnums=0)
