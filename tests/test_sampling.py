@@ -109,3 +109,17 @@ def test_stream_pieces_concatenate_to_the_result(model):
     assert "".join(pieces) == result[0].text
     assert result[0].text == model.generate("Emoji test: 🙂 and more", max_tokens=20,
                                             stop=["\n\n"]).text
+
+
+def test_early_finisher_in_a_batch_leaves_the_others_exact(model):
+    """Decode runs one step ahead: a row that stops meanwhile must not disturb the rest."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    full = model.generate(prompts[0], max_tokens=16).text
+    stop = full[full.index("answer"):][:6]  # ends the first row after a few tokens
+    alone = [model.generate(prompts[0], max_tokens=16, stop=[stop]),
+             model.generate(prompts[1], max_tokens=16, stop=[stop])]
+    together = model.generate(prompts, max_tokens=16, stop=[stop])
+    assert alone[0].finish_reason == "stop" and len(alone[0].token_ids) < 16
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [r.text for r in together] == [r.text for r in alone]
+    assert model.engine.pool.num_free == model.engine.pool.num_pages - 1
