@@ -144,7 +144,8 @@ def _git_state() -> dict:
             return None
         return r.stdout.strip() if r.returncode == 0 else None
 
-    status = git("status", "--porcelain")  # None outside a repo; sha None before the first commit
+    # tracked files only: result JSONs written beside the code do not make it dirty
+    status = git("status", "--porcelain", "--untracked-files=no")
     return {"sha": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 
