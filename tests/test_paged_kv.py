@@ -89,15 +89,23 @@ def test_out_of_pages_is_all_or_nothing():
 
 
 def test_engine_waits_for_pages_instead_of_failing(tmp_path):
-    """With room for one sequence at a time, a batch still completes, one after another."""
+    """Room for one sequence at a time: the batch still completes, one after another."""
     import xlr_jax
 
+    # 3 usable pages of 16; each request (3-5 prompt tokens + 14) may need 2 pages
     small = xlr_jax.load_model("smollm2", cache_dir=tmp_path, num_pages=4, page_size=16,
-                               max_context=48)
+                               max_context=64)
     prompts = ["The capital of France is", "Water boils at", "My favourite colour"]
-    alone = [small.generate(p, max_tokens=8).token_ids for p in prompts]
-    assert [r.token_ids for r in small.generate(prompts, max_tokens=8)] == alone
+    alone = [small.generate(p, max_tokens=14, ignore_eos=True).token_ids for p in prompts]
+    together = small.generate(prompts, max_tokens=14, ignore_eos=True)
+    assert [r.token_ids for r in together] == alone
+    for first, second in zip(together, together[1:]):  # each waited for the one before
+        assert second.metrics["ttft_s"] >= first.metrics["total_s"]
     assert small.engine.pool.num_free == 3
+    with pytest.raises(xlr_jax.PromptTooLongError, match="lower max_tokens"):
+        small.generate(prompts, max_tokens=50)  # 3 + 50 tokens need 4 pages
+    assert small.engine.pool.num_free == 3
+    assert small.generate(prompts[0], max_tokens=14, ignore_eos=True).token_ids == alone[0]
 
 
 def test_each_step_compiles_once_per_bucket(model):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlr_jax.config import ModelConfig
-from xlr_jax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
+from xlr_jax.errors import InvalidRequestError, PromptTooLongError
 from xlr_jax.model import Params
 from xlr_jax.paged_kv import PagedKV, PagePool, SequencePages, copy_pages
 from xlr_jax.sampling import SamplingBatch, SamplingParams
@@ -78,6 +78,8 @@ class _Request:
         self.stop_text = _StopText(params.stop)
         self.eos = frozenset() if params.ignore_eos or not tokenizer else tokenizer.eos_token_ids
         self.limit = min(params.max_tokens, max_context - len(prompt_ids))
+        # pages this request may ever hold: prompt plus every token it may generate
+        self.max_pages = -(-(len(prompt_ids) + self.limit) // pool.page_size)
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.start, self.first_token_at, self.last_token_at = start, None, None
@@ -165,11 +167,6 @@ class Engine:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens but the context holds {self.max_context}; "
                 "shorten the prompt or load the model with a larger max_context")
-        pages_needed = -(-(len(ids) + 1) // self.pool.page_size)
-        if pages_needed > self.pool.num_pages - 1:
-            raise PromptTooLongError(
-                f"the prompt needs {pages_needed} KV pages but the pool has "
-                f"{self.pool.num_pages - 1}; load the model with more num_pages")
         return ids
 
     # ------------------------------------------------------------ running
@@ -181,6 +178,13 @@ class Engine:
             start = time.perf_counter()
             waiting = deque(_Request(i, ids, p, self.pool, self.tokenizer, self.max_context, start)
                             for i, (ids, p) in enumerate(zip(prompts, params)))
+            usable = self.pool.num_pages - 1
+            for r in waiting:  # refused before any work starts: nothing else is lost
+                if r.max_pages > usable:
+                    raise PromptTooLongError(
+                        f"{len(r.prompt_ids)} prompt tokens plus up to {r.limit} new ones need "
+                        f"{r.max_pages} KV pages but the pool has {usable}; lower max_tokens "
+                        "or load the model with more num_pages")
             active: list[_Request] = []
             inflight = None  # (rows, device tokens) of a decode step not read back yet
             try:
@@ -208,24 +212,26 @@ class Engine:
                     if r.seq.pages:
                         r.seq.release()
 
-    def _can_run_ahead(self, active: list[_Request]) -> bool:
-        """A step ahead is safe if no request can hit its token limit before it and
-        pages cannot run out (an EOS in flight only wastes one row of one step)."""
-        return (all(len(r.generated) + 2 <= r.limit for r in active)
-                and self.pool.num_free >= len(active))
+    @staticmethod
+    def _can_run_ahead(active: list[_Request]) -> bool:
+        """A step ahead must not draw past any request's token limit (an EOS in
+        flight only wastes one row of one step; pages are budgeted at admission)."""
+        return all(len(r.generated) + 2 <= r.limit for r in active)
 
     def _admit(self, waiting: deque, active: list) -> list[_Request]:
-        admitted = []
+        """Admit waiting requests whose worst-case pages fit beside the running ones'.
+
+        Budgeting every request's prompt plus max_tokens up front means a running
+        sequence never runs out of pages mid-decode (there is no preemption).
+        """
+        admitted: list[_Request] = []
+        budget = self.pool.num_free - sum(r.max_pages - len(r.seq.pages) for r in active)
         while waiting and len(active) + len(admitted) < self.max_batch:
             req = waiting[0]
-            need = -(-(len(req.prompt_ids) + 1) // self.pool.page_size)
-            if need > self.pool.num_free:
-                if not active and not admitted:
-                    raise OutOfPagesError(
-                        f"a prompt of {len(req.prompt_ids)} tokens needs {need} free KV pages "
-                        f"and only {self.pool.num_free} are free; raise num_pages")
-                break  # wait for running sequences to free pages
+            if req.max_pages > budget:
+                break  # wait for running sequences to finish and free pages
             req.seq.reserve(len(req.prompt_ids))
+            budget -= req.max_pages
             admitted.append(waiting.popleft())
         return admitted
 
@@ -292,7 +298,7 @@ class Engine:
                 src, dst = zip(*copies)
                 self.kv = copy_pages(self.kv, jnp.array(src), jnp.array(dst))
             positions[j] = r.seq.length
-            tokens[j] = r.generated[-1] if feed is None else 0
+            tokens[j] = r.generated[-1]  # unused when `feed` carries the device tokens
             r.seq.length += 1
         # the token drawn after position p is the (p + 1 - prompt)-th of its sequence
         steps = [int(positions[j]) + 1 - len(r.prompt_ids) for j, r in enumerate(reqs)]
