@@ -86,11 +86,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarr
     return inv.astype(np.float32)
 
 
-def apply_rope(x, positions, inv_freq):
-    """Rotate halves (HF convention): x [B, T, heads, hd], positions [B, T]."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, hd/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+def rope_tables(positions, inv_freq):
+    """cos and sin [B, T, 1, hd/2] for `positions` [B, T]; shared by every layer."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x, cos, sin):
+    """Rotate halves (HF convention): x [B, T, heads, hd]."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -122,7 +125,7 @@ def forward(params: Params, kv: PagedKV, tokens, positions, valid, block_tables,
     """
     c = config
     batch, q_len = tokens.shape
-    inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+    cos, sin = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
     lengths = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)
     lengths = jnp.maximum(lengths, 1)  # padded rows see one (scratch) slot, not NaN
     page_size = kv.page_size
@@ -138,8 +141,8 @@ def forward(params: Params, kv: PagedKV, tokens, positions, valid, block_tables,
         if lp.bqkv is not None:
             qkv = qkv + lp.bqkv
         q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
-        q = apply_rope(q.reshape(batch, q_len, c.num_heads, c.head_dim), positions, inv_freq)
-        k = apply_rope(k.reshape(batch, q_len, c.num_kv_heads, c.head_dim), positions, inv_freq)
+        q = apply_rope(q.reshape(batch, q_len, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.reshape(batch, q_len, c.num_kv_heads, c.head_dim), cos, sin)
         v = v.reshape(batch * q_len, c.num_kv_heads, c.head_dim)
         k_all = write_layer(k_all, i, page_ids, offsets, k.reshape(v.shape))
         v_all = write_layer(v_all, i, page_ids, offsets, v)

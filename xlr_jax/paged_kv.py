@@ -5,9 +5,10 @@ Device layout: `PagedKV.k` and `PagedKV.v` are
 so one layer's slice is the (k_pages, v_pages) pair that
 `xlr_jax.ops.paged_attention` reads. Page-major: each page (all its KV heads)
 is one contiguous block, so gathering a sequence's pages is a row copy (on
-XLA:CPU ~3.5x cheaper than gathering per head from a head-major pool). Page 0 is a scratch page: it is never
-handed out, padded batch rows and padded chunk positions write into it, and
-block tables are padded with it.
+XLA:CPU ~3.5x cheaper than gathering per head from a head-major pool).
+
+Page 0 is a scratch page: it is never handed out, padded batch rows and padded
+chunk positions write into it, and block tables are padded with it.
 
 Host side: `PagePool` owns the free list and refcounts; a `SequencePages` is one
 sequence's block table (its page ids in order) and length. Pages may be shared
