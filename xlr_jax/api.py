@@ -12,6 +12,7 @@ import numpy as np
 from xlr_jax.engine import Engine, GenerationResult
 from xlr_jax.errors import InvalidRequestError, ModelLoadError
 from xlr_jax.model import params_from_arrays
+from xlr_jax.ops.paged_attention import IMPLS, resolve_impl
 from xlr_jax.registry import default_cache_dir, resolve_model
 from xlr_jax.sampling import SamplingParams
 from xlr_jax.tokenizer import Tokenizer
@@ -19,6 +20,9 @@ from xlr_jax.weights import load_weights
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16, "float16": jnp.float16, "f16": jnp.float16}
+# KV page dtypes beyond the compute dtypes: quantized with per-token-per-head scales
+_KV_DTYPES = {**_DTYPES, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn,
+              "float8_e4m3fn": jnp.float8_e4m3fn}
 
 
 def _default_dtype() -> str:
@@ -29,19 +33,29 @@ def _default_dtype() -> str:
 def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None = None,
                page_size: int = 64, num_pages: int | None = None, max_batch: int = 8,
                prefill_chunk: int = 256, max_context: int | None = None,
-               attn_impl: str = "auto", cache_dir: str | os.PathLike | None = None,
+               attn_impl: str = "auto", kv_dtype: str | None = None,
+               cache_dir: str | os.PathLike | None = None,
                params_cache: bool = True, compile_cache: bool = True) -> "Model":
     """Load a model: "smollm2" (embedded), a .gguf file or a Hugging Face directory.
 
     dtype: compute/weight dtype ("float32" or "bfloat16"; default per backend).
     page_size, num_pages: the KV page pool (default: room for two full contexts).
     max_batch: sequences decoded together; prefill_chunk: tokens per prefill call.
+    attn_impl: "auto" (Pallas on GPU, XLA on CPU), "pallas" or "xla".
+    kv_dtype: KV page dtype (default: dtype); "int8" or "fp8" store quantized
+    pages with per-token-per-head scales.
     cache_dir: where converted params (and, with compile_cache, XLA executables)
     are cached (default ~/.cache/xlr-jax); a second process skips both.
     """
     dtype = dtype or _default_dtype()
     if dtype not in _DTYPES:
         raise InvalidRequestError(f"dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
+    kv_dtype = kv_dtype or dtype
+    if kv_dtype not in _KV_DTYPES:
+        raise InvalidRequestError(
+            f"kv_dtype {kv_dtype!r} is not supported; choose one of {sorted(_KV_DTYPES)}")
+    if attn_impl not in IMPLS:
+        raise InvalidRequestError(f"attn_impl {attn_impl!r} is not supported; choose one of {IMPLS}")
     for name, value in (("page_size", page_size), ("max_batch", max_batch),
                         ("prefill_chunk", prefill_chunk)):
         if not isinstance(value, int) or value < 1:
@@ -61,7 +75,7 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
     params = params_from_arrays(loaded.params, _DTYPES[dtype])
     engine = Engine(config, params, tokenizer, page_size=page_size, num_pages=pages,
                     max_batch=max_batch, prefill_chunk=prefill_chunk, max_context=context,
-                    attn_impl=attn_impl, kv_dtype=_DTYPES[dtype])
+                    attn_impl=attn_impl, kv_dtype=_KV_DTYPES[kv_dtype])
     load_info = {"load_s": loaded.load_s, "params_from_cache": loaded.from_cache,
                  "source": str(loaded.source), "source_hash": loaded.source_hash}
     return Model(engine, dtype=dtype, load_info=load_info)
@@ -169,8 +183,9 @@ class Model:
             "parameters": c.num_params(), "param_bytes": e.params.nbytes(),
             "plan": {"backend": jax.default_backend(), "dtype": self.dtype,
                      "page_size": e.pool.page_size, "num_pages": e.pool.num_pages,
-                     "kv_bytes": e.kv.nbytes(), "max_batch": e.max_batch,
-                     "prefill_chunk": e.buckets.chunk[-1], "attn_impl": e.steps.attn_impl,
+                     "kv_bytes": e.kv.nbytes(), "kv_dtype": str(e.kv.k.dtype),
+                     "max_batch": e.max_batch, "prefill_chunk": e.buckets.chunk[-1],
+                     "attn_impl": resolve_impl(e.steps.attn_impl),
                      "buckets": {"batch": e.buckets.batch, "chunk": e.buckets.chunk,
                                  "pages": e.buckets.pages}},
             "load": self.load_info,

@@ -15,6 +15,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="'smollm2' (embedded), a .gguf file or a Hugging Face directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weight/compute dtype (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8", "fp8"], default=None,
+                   help="KV page dtype (default: --dtype); int8/fp8 are quantized per token and head")
+    p.add_argument("--attn-impl", choices=["auto", "pallas", "xla"], default="auto",
+                   help="attention: Pallas kernel or XLA reference (auto: Pallas on GPU only)")
     p.add_argument("--cache-dir", default=None,
                    help="where converted params are cached (default ~/.cache/xlr-jax)")
 
@@ -34,7 +38,8 @@ def _load(args):
     from xlr_jax import load_model
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    model = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    model = load_model(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                       attn_impl=args.attn_impl, cache_dir=args.cache_dir)
     info = model.load_info
     source = "cache" if info["params_from_cache"] else "conversion"
     print(f"loaded in {info['load_s']:.2f} s (params from {source})", file=sys.stderr, flush=True)

@@ -134,7 +134,7 @@ def forward(params: Params, kv: PagedKV, tokens, positions, valid, block_tables,
     offsets = (positions % page_size).reshape(-1)
 
     x = params.embed[tokens]
-    k_all, v_all = kv.k, kv.v
+    k_all, v_all, k_scale, v_scale = kv.k, kv.v, kv.k_scale, kv.v_scale
     for i, lp in enumerate(_layers(params.layers)):
         h = rms_norm(x, lp.attn_norm, c.rms_norm_eps)
         qkv = _linear(h, lp.wqkv)
@@ -144,16 +144,17 @@ def forward(params: Params, kv: PagedKV, tokens, positions, valid, block_tables,
         q = apply_rope(q.reshape(batch, q_len, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.reshape(batch, q_len, c.num_kv_heads, c.head_dim), cos, sin)
         v = v.reshape(batch * q_len, c.num_kv_heads, c.head_dim)
-        k_all = write_layer(k_all, i, page_ids, offsets, k.reshape(v.shape))
-        v_all = write_layer(v_all, i, page_ids, offsets, v)
-        attn = paged_attention(q, (k_all[i], v_all[i]), block_tables, lengths, positions,
+        k_all, k_scale = write_layer(k_all, k_scale, i, page_ids, offsets, k.reshape(v.shape))
+        v_all, v_scale = write_layer(v_all, v_scale, i, page_ids, offsets, v)
+        attn = paged_attention(q, (k_all, v_all), block_tables, lengths, positions, layer=i,
+                               kv_scales=None if k_scale is None else (k_scale, v_scale),
                                sliding_window=c.sliding_window, impl=attn_impl)
         x = x + _linear(attn.reshape(batch, q_len, c.q_size), lp.wo)
         h = rms_norm(x, lp.mlp_norm, c.rms_norm_eps)
         gate, up = jnp.split(_linear(h, lp.w_gate_up), 2, axis=-1)
         x = x + _linear(jax.nn.silu(gate) * up, lp.w_down)
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
-    return x, PagedKV(k=k_all, v=v_all)
+    return x, PagedKV(k_all, v_all, k_scale, v_scale)
 
 
 def lm_head(params: Params, hidden):

@@ -1,32 +1,97 @@
 """Attention over the paged KV cache: the single entry point the model calls.
 
 Layouts (one layer):
-  q            [batch, q_len, num_heads, head_dim]   new tokens' queries
-  kv_pages     (k_pages, v_pages), each [num_pages, kv_heads, page_size, head_dim]
+  q            padded: [batch, q_len, num_heads, head_dim], with q_positions [batch, q_len];
+               ragged: [tokens, num_heads, head_dim], with cu_q_lens [batch + 1]
+               (sequence b owns tokens cu_q_lens[b]:cu_q_lens[b+1]) and optional
+               q_positions [tokens] (default: the sequence's last positions)
+  kv_pages     (k_pages, v_pages), each [num_pages, kv_heads, page_size, head_dim],
+               or every layer's [layers, num_pages, ...] with `layer` picking one
+  kv_scales    None, or (k_scales, v_scales) [(layers,) num_pages, kv_heads, page_size]
+               f32 for int8/fp8 pages: a stored value times its scale is the K/V
   block_tables [batch, pages_per_seq] int32: page ids of each sequence, in order;
                unused entries point at any page (they are masked by `lengths`)
   lengths      [batch] int32: tokens in the cache per sequence, new ones included
-  q_positions  [batch, q_len] int32: absolute position of each query token
 
 A query at position p sees cache positions s with s <= p and s < length (and
 s > p - sliding_window when a window is set). Query heads are grouped per KV
 head (GQA): head h reads KV head h // (num_heads // kv_heads). A query that sees
 no position (padding) returns zeros.
+
+impl: "xla" is the pure-JAX reference below; "pallas" the kernel in
+`pallas_attention` (interpret mode off the GPU); "auto" is Pallas on GPU and
+XLA elsewhere (XLA:CPU runs the reference faster than interpreted kernels).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "xla")
+from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas
+
+IMPLS = ("auto", "pallas", "xla")
 
 
-def paged_attention(q, kv_pages, block_tables, lengths, q_positions, *,
-                    sliding_window=None, impl="auto"):
-    """Causal GQA attention of `q` over each sequence's pages; returns q's shape."""
+def resolve_impl(impl: str) -> str:
+    """The implementation `impl` stands for on this backend."""
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLS}")
-    return paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions,
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return impl
+
+
+def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
+                    cu_q_lens=None, max_q_len=None, kv_scales=None, layer=None,
+                    sliding_window=None, impl="auto"):
+    """Causal GQA attention of `q` over each sequence's pages; returns q's shape.
+
+    Padded form when `cu_q_lens` is None, ragged otherwise (see the module
+    docstring). `max_q_len` (static) bounds a ragged sequence's token count.
+    """
+    impl = resolve_impl(impl)
+    k_pages, v_pages = kv_pages
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
+    if cu_q_lens is None:
+        if q.ndim != 4 or q_positions is None or q_positions.shape != q.shape[:2]:
+            raise ValueError("padded attention takes q [batch, q_len, heads, dim] and "
+                             "q_positions [batch, q_len]; pass cu_q_lens for ragged q")
+        batch, q_len = q.shape[:2]
+        if impl == "xla":
+            return _padded_xla(q, k_pages, v_pages, ks, vs, layer, block_tables, lengths,
+                               q_positions, sliding_window)
+        cu = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
+        out = ragged_paged_attention_pallas(
+            q.reshape(batch * q_len, *q.shape[2:]), k_pages, v_pages, block_tables,
+            lengths, cu, q_positions.reshape(-1), ks, vs, max_q_len=q_len, layer=layer,
+            sliding_window=sliding_window, interpret=jax.default_backend() != "gpu")
+        return out.reshape(q.shape)
+    if q.ndim != 3 or cu_q_lens.shape != (block_tables.shape[0] + 1,):
+        raise ValueError("ragged attention takes q [tokens, heads, dim] and cu_q_lens "
+                         "[batch + 1]")
+    seq = jnp.searchsorted(cu_q_lens, jnp.arange(q.shape[0]), side="right") - 1
+    if q_positions is None:  # the new tokens are each sequence's last ones
+        first = lengths - (cu_q_lens[1:] - cu_q_lens[:-1])
+        q_positions = first[seq] + jnp.arange(q.shape[0]) - cu_q_lens[seq]
+    if impl == "xla":
+        # each token is a one-token query over its own sequence's pages
+        out = _padded_xla(q[:, None], k_pages, v_pages, ks, vs, layer, block_tables[seq],
+                          lengths[seq], q_positions[:, None], sliding_window)
+        return out[:, 0]
+    return ragged_paged_attention_pallas(
+        q, k_pages, v_pages, block_tables, lengths, cu_q_lens, q_positions, ks, vs,
+        max_q_len=max_q_len or q.shape[0], layer=layer, sliding_window=sliding_window,
+        interpret=jax.default_backend() != "gpu")
+
+
+def _padded_xla(q, k_pages, v_pages, k_scales, v_scales, layer, block_tables, lengths,
+                q_positions, sliding_window):
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
+        if k_scales is not None:
+            k_scales, v_scales = k_scales[layer], v_scales[layer]
+    return paged_attention_xla(q, (k_pages, v_pages), block_tables, lengths, q_positions,
+                               kv_scales=None if k_scales is None else (k_scales, v_scales),
                                sliding_window=sliding_window)
 
 
@@ -46,15 +111,20 @@ def _softmax_product(scores, visible, v, spec):
 
 
 def paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions, *,
-                        sliding_window=None):
-    """Reference: gather the pages named by the block table, masked softmax in f32."""
+                        kv_scales=None, sliding_window=None):
+    """Reference (padded q): gather the block table's pages, masked softmax in f32."""
     k_pages, v_pages = kv_pages
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
     group = num_heads // kv_heads
     pages = block_tables.shape[1]
+    out_dtype = q.dtype
     # whole pages, in block-table order: [batch, pages, kv_heads, page_size, head_dim]
     k, v = k_pages[block_tables], v_pages[block_tables]
+    if kv_scales is not None:
+        k = k.astype(jnp.float32) * kv_scales[0][block_tables][..., None]
+        v = v.astype(jnp.float32) * kv_scales[1][block_tables][..., None]
+        q = q.astype(jnp.float32)
     q = q * jnp.asarray(head_dim ** -0.5, q.dtype)
 
     def visible_at(kv_pos):  # [batch, q_len, *kv_pos.shape]
@@ -78,7 +148,7 @@ def paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions, *,
         visible = visible_at(col_pos)[:, 0][:, None, :] & own[None]
         scores = jnp.einsum("bhd,bcd->bhc", q[:, 0], k, preferred_element_type=jnp.float32)
         out = _softmax_product(scores, visible, v, "bhc,bcd->bhd")
-        return out[:, None].astype(q.dtype)
+        return out[:, None].astype(out_dtype)
 
     # Prefill and multi-token steps: per-KV-head products over one run per sequence
     span = pages * page_size
@@ -88,4 +158,4 @@ def paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions, *,
     scores = jnp.einsum("bkgtd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
     visible = visible_at(jnp.arange(span, dtype=jnp.int32))[:, None, None]
     out = _softmax_product(scores, visible, v, "bkgts,bksd->bkgtd")
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, head_dim).astype(out_dtype)
