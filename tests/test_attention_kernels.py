@@ -11,6 +11,11 @@ Tolerances, max |out - ref| / max |ref|:
   bf16 before the product with V);
   int8/fp8 pages: 2e-5 against numpy on the dequantized pages (dequantization is exact in f32).
 """
+import functools
+import importlib.util
+import json
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +28,7 @@ from xlr_jax.bench_runners import random_params
 from xlr_jax.config import ModelConfig
 from xlr_jax.engine import Engine
 from xlr_jax.model import Params
-from xlr_jax.ops import paged_attention
+from xlr_jax.ops import paged_attention, ragged_paged_attention_pallas
 from xlr_jax.paged_kv import quantize_kv
 from xlr_jax.sampling import SamplingParams
 
@@ -307,3 +312,55 @@ def test_model_with_quantized_kv(tiny_params, kv_dtype, bound):
     # rounding step (1/127 of a row's peak), so the impls agree to that step, not to 1e-4
     assert rel_err(quant["pallas"], quant["xla"]) < 5e-3
     assert 1e-3 < rel_err(quant["xla"], full) < bound
+
+
+# ---------------------------------------------------------------- the one-call GPU check
+
+def test_gpu_check_script_runs_in_smoke_mode(tmp_path):
+    """experiments/gpu_kernels.py end to end on tiny shapes (interpret mode): every correctness
+    case passes, JAX's kernel runs beside ours, and the JSON holds the figures."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_kernels", Path(__file__).parents[1] / "experiments" / "gpu_kernels.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    result = script.main(["--smoke", "--out", str(tmp_path)])
+    saved = json.loads(next(tmp_path.glob("gpu_kernels-smoke-*.json")).read_text())
+    assert saved["git"]["sha"] and saved["copy_bandwidth"]["copy_bandwidth_gb_per_s"] > 0
+    assert {c["case"] for c in saved["correctness"]} >= {"decode", "verify", "ragged",
+                                                        "decode_int8", "decode_fp8"}
+    assert all(c["pass"] for c in saved["correctness"])
+    names = [e["name"] for e in saved["timings"]["decode"] if "median_s" in e]
+    assert {"xlr_pallas", "jax_pallas_paged_attention", "xla_reference"} <= set(names)
+    assert result["targets"]["verify_over_decode"]["value"] > 0
+    assert set(saved["targets"]) == {"decode_fraction_of_copy", "decode_time_over_jax",
+                                     "verify_over_decode"}
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_on_gpu():
+    """The Triton-lowered kernel (not interpret mode) against the reference, on the GPU."""
+    for q_len in (1, 5):
+        q, k, v, tables, lengths, positions = make_case(
+            21, batch=4, q_len=q_len, heads=32, kv_heads=8, head_dim=128, page_size=16,
+            lengths=[1000, 517, 64, 33], table_width=64, dtype=jnp.bfloat16)
+        check_both(q, k, v, tables, lengths, positions, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("q_len,kv_dtype,layer,window", [
+    (1, jnp.bfloat16, None, None), (5, jnp.bfloat16, 2, None), (64, jnp.bfloat16, None, 100),
+    (1, jnp.int8, None, None), (3, jnp.float8_e4m3fn, 1, None)])
+def test_kernel_lowers_through_triton_without_a_gpu(q_len, kv_dtype, layer, window):
+    """Lowering for CUDA needs no device: every Pallas primitive the kernel uses has a Triton
+    rule (what interpret mode cannot show). Compiling the PTX still needs the GPU check."""
+    batch, pages = 4, 8
+    pool = (40, 8, 16, 128) if layer is None else (3, 40, 8, 16, 128)
+    k = jnp.zeros(pool, kv_dtype)
+    scales = None if kv_dtype == jnp.bfloat16 else jnp.ones(pool[:-1], jnp.float32)
+    lowered = jax.jit(functools.partial(
+        ragged_paged_attention_pallas, max_q_len=q_len, layer=layer, sliding_window=window,
+        interpret=False)).trace(
+        jnp.zeros((batch * q_len, 32, 128), jnp.bfloat16), k, k,
+        jnp.zeros((batch, pages), jnp.int32), jnp.full(batch, 100, jnp.int32),
+        jnp.arange(batch + 1, dtype=jnp.int32) * q_len, jnp.zeros(batch * q_len, jnp.int32),
+        scales, scales).lower(lowering_platforms=("cuda",))
+    assert "xla.gpu.triton" in lowered.as_text()

@@ -71,8 +71,8 @@ def run_bench(config_path: str, out_dir: str | None = None, quick: bool = False)
         "started_utc": started.isoformat(), "wall_s": time.perf_counter() - t0,
         # other work on the machine skews every figure; well above 0 at start means it was busy
         "load_average_1m": {"start": load_before, "end": os.getloadavg()[0]},
-        "environment": _environment(any(s["kind"] == "transformers" for s in engine_specs)),
-        "git": _git_state(),
+        "environment": environment(any(s["kind"] == "transformers" for s in engine_specs)),
+        "git": git_state(),
         "bandwidth": bandwidth, "engines": engines, "targets": targets,
         "all_targets_pass": all(t["pass"] for t in targets.values()),
     }
@@ -117,7 +117,7 @@ def _check_targets(targets: dict, engines: dict) -> dict:
     return out
 
 
-def _environment(uses_torch: bool) -> dict:
+def environment(uses_torch: bool) -> dict:
     packages = ["jax", "jaxlib", "numpy"] + (["torch", "transformers"] if uses_torch else [])
     env = {f"{p}_version": importlib.metadata.version(p) for p in packages}
     env.update(python=platform.python_version(), platform=platform.platform(),
@@ -136,7 +136,7 @@ def _cpu_model() -> str | None:
         return None
 
 
-def _git_state() -> dict:
+def git_state() -> dict:
     def git(*args):
         try:
             r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
