@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlr_jax.bench import environment, git_state
-from xlr_jax.bench_runners import measure_bandwidth
+from xlr_jax.hardware import measure_bandwidth
 from xlr_jax.ops import paged_attention, ragged_paged_attention_pallas
 from xlr_jax.paged_kv import quantize_kv
 

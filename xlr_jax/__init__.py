@@ -2,11 +2,14 @@
 from xlr_jax.api import Model, load_model
 from xlr_jax.config import ModelConfig
 from xlr_jax.engine import GenerationResult
-from xlr_jax.errors import (InvalidRequestError, ModelLoadError, OutOfPagesError,
+from xlr_jax.errors import (InvalidRequestError, ModelLoadError, OutOfPagesError, PlanError,
                             PromptTooLongError, TokenizerError, UnsupportedModelError, XlrError)
+from xlr_jax.hardware import HardwareProfile, probe
+from xlr_jax.mapper import ExecutionPlan, Workload, plan
 from xlr_jax.sampling import SamplingParams
 
 __all__ = ["load_model", "Model", "ModelConfig", "GenerationResult", "SamplingParams",
+           "probe", "HardwareProfile", "plan", "ExecutionPlan", "Workload",
            "XlrError", "ModelLoadError", "UnsupportedModelError", "TokenizerError",
-           "InvalidRequestError", "PromptTooLongError", "OutOfPagesError"]
+           "InvalidRequestError", "PromptTooLongError", "OutOfPagesError", "PlanError"]
 __version__ = "0.1.0"

@@ -11,35 +11,28 @@ import numpy as np
 
 from xlr_jax.engine import Engine, GenerationResult
 from xlr_jax.errors import InvalidRequestError, ModelLoadError
+from xlr_jax.hardware import HardwareProfile, probe
+from xlr_jax.mapper import ExecutionPlan, Workload, plan
 from xlr_jax.model import params_from_arrays
-from xlr_jax.ops.paged_attention import IMPLS, resolve_impl
 from xlr_jax.registry import default_cache_dir, resolve_model
 from xlr_jax.sampling import SamplingParams
 from xlr_jax.tokenizer import Tokenizer
-from xlr_jax.weights import load_weights
-
-_DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16,
-           "bf16": jnp.bfloat16, "float16": jnp.float16, "f16": jnp.float16}
-# KV page dtypes beyond the compute dtypes: quantized with per-token-per-head scales
-_KV_DTYPES = {**_DTYPES, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn,
-              "float8_e4m3fn": jnp.float8_e4m3fn}
-
-
-def _default_dtype() -> str:
-    # XLA:CPU runs bf16 matrix-vector ~20x slower than f32 (measured); GPUs want bf16.
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
+from xlr_jax.weights import load_weights, read_config
 
 def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None = None,
-               page_size: int = 64, num_pages: int | None = None, max_batch: int = 8,
-               prefill_chunk: int = 256, max_context: int | None = None,
-               attn_impl: str = "auto", kv_dtype: str | None = None,
+               page_size: int | None = None, num_pages: int | None = None,
+               max_batch: int | None = None, prefill_chunk: int | None = None,
+               max_context: int | None = None, attn_impl: str = "auto",
+               kv_dtype: str | None = None, hardware: HardwareProfile | None = None,
                cache_dir: str | os.PathLike | None = None,
                params_cache: bool = True, compile_cache: bool = True) -> "Model":
     """Load a model: "smollm2" (embedded), a .gguf file or a Hugging Face directory.
 
-    dtype: compute/weight dtype ("float32" or "bfloat16"; default per backend).
-    page_size, num_pages: the KV page pool (default: room for two full contexts).
+    The Capability Mapper (`xlr_jax.plan`) chooses everything not given, from the
+    probed hardware (`hardware`, default `xlr_jax.probe()`); `model.plan` says
+    what it chose and why. Overrides that cannot fit raise PlanError.
+    dtype: compute/weight dtype ("float32" or "bfloat16").
+    page_size, num_pages: the KV page pool.
     max_batch: sequences decoded together; prefill_chunk: tokens per prefill call.
     attn_impl: "auto" (Pallas on GPU, XLA on CPU), "pallas" or "xla".
     kv_dtype: KV page dtype (default: dtype); "int8" or "fp8" store quantized
@@ -47,38 +40,32 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
     cache_dir: where converted params (and, with compile_cache, XLA executables)
     are cached (default ~/.cache/xlr-jax); a second process skips both.
     """
-    dtype = dtype or _default_dtype()
-    if dtype not in _DTYPES:
-        raise InvalidRequestError(f"dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
-    kv_dtype = kv_dtype or dtype
-    if kv_dtype not in _KV_DTYPES:
-        raise InvalidRequestError(
-            f"kv_dtype {kv_dtype!r} is not supported; choose one of {sorted(_KV_DTYPES)}")
-    if attn_impl not in IMPLS:
-        raise InvalidRequestError(f"attn_impl {attn_impl!r} is not supported; choose one of {IMPLS}")
-    for name, value in (("page_size", page_size), ("max_batch", max_batch),
-                        ("prefill_chunk", prefill_chunk)):
-        if not isinstance(value, int) or value < 1:
+    for name, value in (("page_size", page_size), ("num_pages", num_pages),
+                        ("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
+                        ("max_context", max_context)):
+        if value is not None and (not isinstance(value, int) or value < 1):
             raise InvalidRequestError(f"{name} must be a positive integer (got {value!r})")
     path = resolve_model(name_or_path)
+    config = read_config(path)
+    execution = plan(hardware or probe(), config,
+                     Workload(max_context=max_context, max_batch=max_batch,
+                              prefill_chunk=prefill_chunk),
+                     dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, num_pages=num_pages,
+                     attn_impl=attn_impl)
     cache_root = Path(cache_dir or default_cache_dir())
     cache = cache_root if params_cache else None
     if compile_cache and not jax.config.jax_compilation_cache_dir:
         # a restart then loads each step's executable instead of compiling it (~5 s each)
         jax.config.update("jax_compilation_cache_dir", str(cache_root / "jax-compile"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    loaded = load_weights(path, dtype=np.dtype(_DTYPES[dtype]), cache_dir=cache)
-    config = loaded.config
+    compute = jnp.dtype(execution.compute_dtype)
+    loaded = load_weights(path, dtype=np.dtype(compute), cache_dir=cache)
     tokenizer = _load_tokenizer(path)
-    context = min(max_context or config.max_context, config.max_context)
-    pages = num_pages or 2 * -(-context // page_size) + 1
-    params = params_from_arrays(loaded.params, _DTYPES[dtype])
-    engine = Engine(config, params, tokenizer, page_size=page_size, num_pages=pages,
-                    max_batch=max_batch, prefill_chunk=prefill_chunk, max_context=context,
-                    attn_impl=attn_impl, kv_dtype=_KV_DTYPES[kv_dtype])
+    params = params_from_arrays(loaded.params, compute)
+    engine = Engine.from_plan(loaded.config, params, tokenizer, execution)
     load_info = {"load_s": loaded.load_s, "params_from_cache": loaded.from_cache,
                  "source": str(loaded.source), "source_hash": loaded.source_hash}
-    return Model(engine, dtype=dtype, load_info=load_info)
+    return Model(engine, execution, load_info=load_info)
 
 
 def _load_tokenizer(path) -> Tokenizer | None:
@@ -95,11 +82,11 @@ def _load_tokenizer(path) -> Tokenizer | None:
 class Model:
     """A loaded model with its tokenizer and KV cache. Calls are serialized by a lock."""
 
-    def __init__(self, engine: Engine, *, dtype: str, load_info: dict):
-        self.engine = engine
+    def __init__(self, engine: Engine, plan: ExecutionPlan, *, load_info: dict):
+        self.engine, self.plan = engine, plan
         self.config = engine.config
         self.tokenizer = engine.tokenizer
-        self.dtype = dtype
+        self.dtype = plan.compute_dtype
         self.load_info = load_info
 
     # ------------------------------------------------------------ generation
@@ -173,6 +160,11 @@ class Model:
                 results[index] = done
         return results
 
+    def warmup(self, progress: bool = True) -> list[dict]:
+        """Compile every bucket of the plan now (see Steps.warmup); returns compile times."""
+        e = self.engine
+        return e.steps.warmup(e.params, e.kv, e.buckets, progress)
+
     def info(self) -> dict:
         c, e = self.config, self.engine
         return {
@@ -181,13 +173,8 @@ class Model:
             "ffn_size": c.intermediate_size, "vocab_size": c.vocab_size,
             "max_context": e.max_context, "tied_embeddings": c.tie_embeddings,
             "parameters": c.num_params(), "param_bytes": e.params.nbytes(),
-            "plan": {"backend": jax.default_backend(), "dtype": self.dtype,
-                     "page_size": e.pool.page_size, "num_pages": e.pool.num_pages,
-                     "kv_bytes": e.kv.nbytes(), "kv_dtype": str(e.kv.k.dtype),
-                     "max_batch": e.max_batch, "prefill_chunk": e.buckets.chunk[-1],
-                     "attn_impl": resolve_impl(e.steps.attn_impl),
-                     "buckets": {"batch": e.buckets.batch, "chunk": e.buckets.chunk,
-                                 "pages": e.buckets.pages}},
+            # the Execution Plan, plus the KV actually allocated
+            "plan": {**self.plan.to_dict(), "dtype": self.dtype, "kv_bytes": e.kv.nbytes()},
             "load": self.load_info,
         }
 

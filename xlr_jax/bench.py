@@ -20,9 +20,10 @@ from pathlib import Path
 
 import jax
 
-from xlr_jax.bench_runners import (RUNNERS, leading_agreement, measure, measure_bandwidth,
+from xlr_jax.bench_runners import (RUNNERS, leading_agreement, measure,
                                    prompt_ids, roofline)
 from xlr_jax.errors import XlrError
+from xlr_jax.hardware import cpu_name, measure_bandwidth
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,19 +122,10 @@ def environment(uses_torch: bool) -> dict:
     packages = ["jax", "jaxlib", "numpy"] + (["torch", "transformers"] if uses_torch else [])
     env = {f"{p}_version": importlib.metadata.version(p) for p in packages}
     env.update(python=platform.python_version(), platform=platform.platform(),
-               cpu_model=_cpu_model(), cpu_count=os.cpu_count(),
+               cpu_model=cpu_name(), cpu_count=os.cpu_count(),
                jax_backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind,
                device_count=jax.device_count())
     return env
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name")), None)
-    except OSError:
-        return None
 
 
 def git_state() -> dict:

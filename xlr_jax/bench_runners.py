@@ -194,27 +194,6 @@ def measure(runner, ids: list[int], n: int, repeats: int, warmup: int) -> dict:
     }
 
 
-def measure_bandwidth(kind: str, gib: float, runs: int) -> dict:
-    """Device memory bandwidth from a jitted pass over a large f32 array (median of runs)."""
-    # random contents: a constant array's identical pages can be merged by the host
-    # (same-page dedup), and reads then hit cache (seen: 71 GB/s on 2 cores)
-    x = jax.random.uniform(jax.random.key(0), (int(gib * 2 ** 30) // 4,), jnp.float32)
-    if kind == "read":  # bytes read once
-        fn, moved, how = jax.jit(jnp.sum), x.nbytes, "jitted jnp.sum over an f32 array"
-    elif kind == "copy":  # read once, written once
-        fn, moved, how = jax.jit(lambda a: a + 1), 2 * x.nbytes, "jitted x + 1 (read + write)"
-    else:
-        raise ValueError(f"bandwidth kind must be 'read' or 'copy' (got {kind!r})")
-    fn(x).block_until_ready()
-    rates = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn(x).block_until_ready()
-        rates.append(moved / (time.perf_counter() - t) / 1e9)
-    return {"kind": kind, "method": how, "array_bytes": x.nbytes, "runs": runs,
-            f"{kind}_bandwidth_gb_per_s": statistics.median(rates), "runs_gb_per_s": rates}
-
-
 def roofline(runner, prompt_tokens: int, decode_tokens: int, bandwidth_gb_per_s: float,
              measured_tokens_per_s: float) -> dict:
     """Bytes one decode step must read (weights + KV at the mean context) against bandwidth."""

@@ -161,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(info)
     info.set_defaults(func=cmd_info)
 
-    from xlr_jax import bench
+    from xlr_jax import bench, cli_mapper
     bench.add_cli(sub)
+    cli_mapper.add_cli(sub, _add_model_options)
     return parser
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from xlr_jax.config import ModelConfig
 from xlr_jax.errors import InvalidRequestError, PromptTooLongError
+from xlr_jax.mapper import ExecutionPlan, page_width_buckets, powers_of_two_upto
 from xlr_jax.model import Params
 from xlr_jax.paged_kv import PagedKV, PagePool, SequencePages, copy_pages
 from xlr_jax.sampling import SamplingBatch, SamplingParams
@@ -129,7 +130,8 @@ class Engine:
 
     def __init__(self, config: ModelConfig, params: Params, tokenizer: Tokenizer | None, *,
                  page_size: int, num_pages: int, max_batch: int, prefill_chunk: int,
-                 max_context: int, attn_impl: str = "auto", kv_dtype=jnp.float32):
+                 max_context: int, attn_impl: str = "auto", kv_dtype=jnp.float32,
+                 buckets: Buckets | None = None):
         self.config, self.params, self.tokenizer = config, params.per_layer(), tokenizer
         self.max_context = max_context
         self.max_batch = max_batch
@@ -138,11 +140,22 @@ class Engine:
                                  head_dim=config.head_dim, num_pages=num_pages,
                                  page_size=page_size, dtype=kv_dtype)
         self.steps = Steps(config, attn_impl)
-        self.buckets = Buckets(
-            batch=_powers_of_two_upto(max_batch),
-            chunk=_powers_of_two_upto(prefill_chunk, start=16),
-            pages=_page_width_buckets(-(-max_context // page_size)))
+        # shapes every step is compiled for (the plan's; CPU-style defaults otherwise)
+        self.buckets = buckets or Buckets(
+            batch=powers_of_two_upto(max_batch),
+            chunk=powers_of_two_upto(prefill_chunk, start=16),
+            pages=page_width_buckets(-(-max_context // page_size), dense=True))
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_plan(cls, config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
+                  plan: ExecutionPlan) -> "Engine":
+        """An engine with every size, dtype and bucket the Execution Plan fixed."""
+        return cls(config, params, tokenizer, page_size=plan.page_size,
+                   num_pages=plan.num_pages, max_batch=plan.max_batch,
+                   prefill_chunk=plan.prefill_chunk, max_context=plan.max_context,
+                   attn_impl=plan.attn_impl, kv_dtype=jnp.dtype(plan.kv_dtype),
+                   buckets=plan.buckets)
 
     # ------------------------------------------------------------ validation
 
@@ -337,23 +350,3 @@ class Engine:
                 return np.concatenate(out)
             finally:
                 seq.release()
-
-
-def _powers_of_two_upto(n: int, start: int = 1) -> tuple[int, ...]:
-    sizes = [start]
-    while sizes[-1] < n:
-        sizes.append(min(sizes[-1] * 2, n))
-    return tuple(sizes)
-
-
-def _page_width_buckets(max_pages: int) -> tuple[int, ...]:
-    """Block-table widths: every 2 pages up to 32, then ~1.25x.
-
-    Attention reads the whole width, and on the CPU a decode step costs ~4.3 ms
-    more per 1k positions read (measured), so padding is kept small.
-    """
-    sizes = [2]
-    while sizes[-1] < max_pages:
-        step = 2 if sizes[-1] < 32 else sizes[-1] // 4
-        sizes.append(min(sizes[-1] + step, max_pages))
-    return tuple(sizes)

@@ -25,5 +25,9 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt (plus max_tokens) does not fit in the context or the page pool."""
 
 
+class PlanError(InvalidRequestError):
+    """The model, context or a load option does not fit the device (numbers in the message)."""
+
+
 class OutOfPagesError(XlrError):
     """The KV page pool has no free page left for a request."""

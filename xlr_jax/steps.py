@@ -7,10 +7,13 @@ at most once per bucket combination.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
 
 from xlr_jax.config import ModelConfig
 from xlr_jax.model import Params, forward, lm_head
@@ -70,7 +73,12 @@ def _all_logits(params: Params, kv: PagedKV, tokens, start, num_new, block_table
 
 
 class Steps:
-    """The jitted step functions of one model; KV is donated to every call."""
+    """The jitted step functions of one model; KV is donated to every call.
+
+    `warmup` compiles every bucket ahead of time (`jit(...).lower(...).compile()`);
+    a call whose shapes were warmed runs the stored executable, so serving
+    compiles nothing.
+    """
 
     def __init__(self, config: ModelConfig, attn_impl: str = "auto"):
         static = ("config", "attn_impl", "greedy_only")
@@ -79,21 +87,57 @@ class Steps:
         self._decode = jax.jit(_decode, donate_argnames="kv", static_argnames=static)
         self._all_logits = jax.jit(_all_logits, donate_argnames="kv",
                                    static_argnames=static[:2])
+        self._aot: dict[tuple, jax.stages.Compiled] = {}
+
+    def _static(self, greedy_only: bool) -> dict:
+        return dict(config=self.config, attn_impl=self.attn_impl, greedy_only=greedy_only)
 
     def prefill(self, params, kv, tokens, start, num_new, block_tables, sampling, greedy_only):
-        return self._prefill(params, kv, tokens, start, num_new, block_tables, sampling,
-                             config=self.config, attn_impl=self.attn_impl,
-                             greedy_only=greedy_only)
+        args = (params, kv, tokens, start, num_new, block_tables, sampling)
+        exe = self._aot.get(("prefill", tokens.shape, block_tables.shape[1], greedy_only))
+        return exe(*args) if exe else self._prefill(*args, **self._static(greedy_only))
 
     def decode(self, params, kv, tokens, positions, block_tables, sampling, greedy_only):
-        return self._decode(params, kv, tokens, positions, block_tables, sampling,
-                            config=self.config, attn_impl=self.attn_impl,
-                            greedy_only=greedy_only)
+        args = (params, kv, tokens, positions, block_tables, sampling)
+        exe = self._aot.get(("decode", tokens.shape, block_tables.shape[1], greedy_only))
+        return exe(*args) if exe else self._decode(*args, **self._static(greedy_only))
 
     def all_logits(self, params, kv, tokens, start, num_new, block_tables):
         return self._all_logits(params, kv, tokens, start, num_new, block_tables,
                                 config=self.config, attn_impl=self.attn_impl)
 
+    def warmup(self, params, kv, buckets: Buckets, progress: bool = True) -> list[dict]:
+        """Compile prefill and decode for every bucket combination (greedy-only and
+        sampling variants); returns each compile's shapes and seconds."""
+        jobs = [("decode", (rows,), width, greedy)
+                for rows in buckets.batch for width in buckets.pages for greedy in (True, False)]
+        jobs += [("prefill", (rows, chunk), width, greedy)
+                 for rows in buckets.batch for chunk in buckets.chunk
+                 for width in buckets.pages for greedy in (True, False)]
+        report = []
+        for kind, shape, width, greedy in tqdm(jobs, desc="Compiling buckets", unit="step",
+                                               disable=not progress or None, leave=False):
+            key = (kind, shape, width, greedy)
+            if key in self._aot:
+                continue
+            rows = shape[0]
+            ints = lambda *s: np.zeros(s, np.int32)  # noqa: E731
+            sampling = SamplingBatch.build([], [], rows)
+            start = time.perf_counter()
+            if kind == "decode":
+                lowered = self._decode.lower(params, kv, ints(rows), ints(rows), ints(rows, width),
+                                             sampling, **self._static(greedy))
+            else:
+                lowered = self._prefill.lower(params, kv, ints(*shape), ints(rows), ints(rows),
+                                              ints(rows, width), sampling, **self._static(greedy))
+            self._aot[key] = lowered.compile()
+            report.append({"step": kind, "batch": rows, "chunk": shape[1] if len(shape) > 1
+                           else 1, "pages": width, "greedy_only": greedy,
+                           "compile_s": time.perf_counter() - start})
+        return report
+
     def compilations(self) -> dict[str, int]:
-        return {"prefill": self._prefill._cache_size(), "decode": self._decode._cache_size(),
+        aot = {kind: sum(k[0] == kind for k in self._aot) for kind in ("prefill", "decode")}
+        return {"prefill": self._prefill._cache_size() + aot["prefill"],
+                "decode": self._decode._cache_size() + aot["decode"],
                 "all_logits": self._all_logits._cache_size()}

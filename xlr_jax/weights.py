@@ -129,14 +129,20 @@ def gguf_config(reader) -> ModelConfig:
         sliding_window=None, rope_scaling=scaling)
 
 
-def _load_gguf(path: Path, dtype) -> tuple[ModelConfig, dict]:
+def _gguf_reader(path: Path):
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(str(path))
     except Exception as e:  # the gguf package raises bare ValueError/struct errors
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}; the file is corrupt or "
                              "truncated, download it again") from e
+
+
+def _load_gguf(path: Path, dtype) -> tuple[ModelConfig, dict]:
+    import gguf
+
+    reader = _gguf_reader(path)
     config = gguf_config(reader)
     by_name = {t.name: t for t in reader.tensors}
     bar = tqdm(total=len(by_name), desc=f"Loading {path.name}", unit="tensor",
@@ -285,15 +291,28 @@ def source_files(path: Path) -> list[Path]:
     return [path]
 
 
-def load_weights(path: str | os.PathLike, dtype=np.float32, cache_dir=None) -> LoadedWeights:
-    """Load a GGUF file or HF directory; use/refresh the orbax cache when cache_dir is set."""
-    path = Path(path).expanduser()
+def _check_source(path: Path) -> None:
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist; pass a GGUF file, a "
                              "Hugging Face directory, or 'smollm2' for the embedded model")
     if path.is_dir() and not (path / "config.json").exists():
         raise ModelLoadError(f"{path} is a directory without config.json; point at a "
                              "Hugging Face model directory or a .gguf file")
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The model's config alone (no weights read): for plans and rooflines."""
+    path = Path(path).expanduser()
+    _check_source(path)
+    if path.is_dir():
+        return hf_config(json.loads((path / "config.json").read_text()))
+    return gguf_config(_gguf_reader(path))
+
+
+def load_weights(path: str | os.PathLike, dtype=np.float32, cache_dir=None) -> LoadedWeights:
+    """Load a GGUF file or HF directory; use/refresh the orbax cache when cache_dir is set."""
+    path = Path(path).expanduser()
+    _check_source(path)
     start = time.perf_counter()
     digest = file_digest(source_files(path))
     dtype_name = np.dtype(dtype).name

@@ -1,0 +1,172 @@
+"""`xlr probe`, `xlr plan` and `xlr roofline`: the hardware, the Execution Plan, the limits."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from xlr_jax.errors import InvalidRequestError
+
+PHASE_ROWS = [  # (label, key, unit, scale)
+    ("FLOPs", "flops", "GFLOP", 1e9), ("bytes", "bytes", "GB", 1e9),
+    ("intensity", "intensity", "FLOP/B", 1), ("bound", "bound", "", None),
+]
+
+
+def cmd_probe(args) -> int:
+    from xlr_jax.hardware import probe
+
+    hw = probe(measure=args.measure)
+    if args.json:
+        print(hw.to_json())
+        return 0
+    for key, value in json.loads(hw.to_json()).items():
+        if key.endswith("_bytes"):
+            value = f"{value / 1e9:.1f} GB"
+        print(f"{key:>20}: {value}")
+    print(f"{'ridge point':>20}: {hw.ridge_flops_per_byte:.1f} FLOP/byte")
+    return 0
+
+
+def _plan_for(args):
+    from xlr_jax import load_model, plan, probe
+    from xlr_jax.mapper import Workload
+    from xlr_jax.registry import resolve_model
+    from xlr_jax.weights import read_config
+
+    options = dict(dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
+                   num_pages=args.num_pages, attn_impl=args.attn_impl)
+    workload = dict(max_context=args.max_context, max_batch=args.max_batch,
+                    prefill_chunk=args.prefill_chunk)
+    if args.warmup:
+        model = load_model(args.model, cache_dir=args.cache_dir, **options, **workload)
+        return model.plan, model
+    path = resolve_model(args.model)
+    return plan(probe(), read_config(path), Workload(**workload), **options), None
+
+
+def cmd_plan(args) -> int:
+    args.model = args.model_pos or args.model
+    execution, model = _plan_for(args)
+    report = model.warmup() if model is not None else None
+    if args.json:
+        out = execution.to_dict()
+        if report is not None:
+            out["warmup"] = report
+        print(json.dumps(out, indent=2))
+        return 0
+    out = execution.to_dict()
+    reasons, memory = out.pop("reasons"), out.pop("memory")
+    for key, value in out.items():
+        note = f"   # {reasons[key]}" if key in reasons else ""
+        print(f"{key:>16}: {value}{note}")
+    print(f"{'buckets':>16}: # {reasons['buckets']}")
+    print("          memory: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 1e9:.3f} GB"
+                                           for k, v in memory.items()))
+    if report:
+        times = [r["compile_s"] for r in report]
+        print(f"          warmup: {len(times)} executables compiled in {sum(times):.1f} s "
+              f"(median {statistics.median(times):.2f} s, max {max(times):.2f} s)")
+    return 0
+
+
+def _hardware(name: str):
+    from xlr_jax.hardware import preset, probe
+
+    if name == "this":
+        return probe()
+    try:
+        return preset(name)
+    except ValueError as e:
+        raise InvalidRequestError(str(e) + "; or 'this' for this machine") from None
+
+
+def _arch(name: str):
+    from xlr_jax.registry import resolve_model
+    from xlr_jax.roofline import PRESETS, Arch
+    from xlr_jax.weights import read_config
+
+    if name in PRESETS:
+        return PRESETS[name]
+    try:
+        path = resolve_model(name)
+    except Exception:
+        raise InvalidRequestError(f"unknown model {name!r}: give a preset "
+                                  f"({', '.join(PRESETS)}) or a model path") from None
+    return Arch.from_config(read_config(path), name=Path(name).name)
+
+
+def cmd_roofline(args) -> int:
+    from xlr_jax.roofline import estimate, measured_points, plot
+
+    hw = _hardware(args.hardware)
+    arch = _arch(args.model)
+    figures = estimate(arch, hw, prompt=args.prompt, batch=args.batch, context=args.context,
+                       weight_bytes=args.weight_bytes, kv_bytes=args.kv_bytes)
+    if args.plot:
+        points = [p for f in args.measured for p in measured_points(json.loads(Path(f).read_text()))]
+        plot(figures, hw, args.plot, points)
+        figures["plot"] = args.plot
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return 0
+    print(f"{arch.name} on {hw.device_name} ({hw.peak_bandwidth_gb_s:.0f} GB/s, "
+          f"{hw.peak_tflops:g} TFLOP/s, ridge {hw.ridge_flops_per_byte:.0f} FLOP/B): "
+          f"{figures['params'] / 1e9:.2f} B params, {figures['active_params_per_token'] / 1e9:.2f} B "
+          f"active per token, KV {figures['kv_bytes_per_token'] / 1e3:.0f} kB/token")
+    print(f"{'':>18} {'prefill':>14} {'decode step':>14}")
+    for label, key, unit, scale in PHASE_ROWS:
+        pre = figures[f"prefill_{key}"]
+        dec = figures[f"decode_{key}_per_step" if key in ("flops", "bytes") else f"decode_{key}"]
+        fmt = (lambda v: str(v)) if scale is None else (lambda v: f"{v / scale:,.1f}")
+        print(f"{label + (' (' + unit + ')' if unit else ''):>18} {fmt(pre):>14} {fmt(dec):>14}")
+    print(f"{'time':>18} {figures['ttft_s'] * 1e3:>11.1f} ms {figures['itl_s'] * 1e3:>11.2f} ms"
+          f"   (TTFT, ITL; {figures['decode_tokens_per_s']:,.0f} tok/s decode)")
+    if args.plot:
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0
+
+
+def add_cli(sub, add_model_options) -> None:
+    p = sub.add_parser("probe", help="what this machine is: device, memory, peak rates",
+                       description="Probe the hardware the mapper plans for.")
+    p.add_argument("--measure", action="store_true",
+                   help="measure copy bandwidth and a matmul rate on the spot")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_probe)
+
+    p = sub.add_parser("plan", help="the Execution Plan for a model on this machine",
+                       description="Print the Execution Plan: every choice and why. "
+                                   "Options override the mapper's choices.")
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                   help="model name or path (default: the embedded one)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--warmup", action="store_true",
+                   help="load the model and compile every bucket ahead of time")
+    add_model_options(p)
+    for flag, what in (("--max-context", "context length"), ("--max-batch", "sequences at once"),
+                       ("--prefill-chunk", "prefill tokens per step"),
+                       ("--page-size", "tokens per KV page"), ("--num-pages", "KV pages")):
+        p.add_argument(flag, type=int, default=None, help=f"override: {what}")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("roofline", help="analytic FLOPs, bytes, TTFT and ITL against a device",
+                       description="Roofline of one prefill and one decode step.")
+    p.add_argument("model", metavar="MODEL",
+                   help="a preset (llama-3-8b, llama-3-70b, qwen2.5-72b, mixtral-8x7b, "
+                        "deepseek-v3-like) or a model name/path")
+    p.add_argument("--hardware", default="h200",
+                   help="a GPU from the table (h200, h100, a100, l4, rtx4090, ...) or 'this'")
+    p.add_argument("--prompt", type=int, default=4096, help="prompt tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences")
+    p.add_argument("--context", type=int, default=None,
+                   help="decode context (default: the prompt length)")
+    p.add_argument("--weight-bytes", type=float, default=2, help="bytes per weight (bf16: 2)")
+    p.add_argument("--kv-bytes", type=float, default=2, help="bytes per KV value (bf16: 2)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--plot", metavar="PNG", default=None, help="draw the roofline to a PNG")
+    p.add_argument("--measured", nargs="*", default=[], metavar="JSON",
+                   help="xlr bench results whose decode points go on the plot")
+    p.set_defaults(func=cmd_roofline)

@@ -1,0 +1,302 @@
+"""The Capability Mapper: hardware + model + workload -> one frozen Execution Plan.
+
+`plan()` fixes every choice the runtime makes before it compiles anything:
+dtypes, page size, the KV page budget, batch and chunk sizes, the shape
+buckets every step is compiled for, the attention implementation and the
+speculative policy. Each choice carries a one-line reason. Any choice can be
+overridden; an override that cannot fit is refused with the numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+
+from xlr_jax.config import ModelConfig
+from xlr_jax.errors import PlanError
+from xlr_jax.hardware import HardwareProfile
+from xlr_jax.paged_kv import is_quantized
+from xlr_jax.steps import Buckets
+
+log = logging.getLogger(__name__)
+GB = 1e9
+
+DTYPE_NAMES = {"float32": "float32", "f32": "float32", "bfloat16": "bfloat16",
+               "bf16": "bfloat16", "float16": "float16", "f16": "float16"}
+KV_DTYPE_NAMES = {**DTYPE_NAMES, "int8": "int8", "fp8": "float8_e4m3fn",
+                  "float8_e4m3fn": "float8_e4m3fn"}
+ATTN_IMPLS = ("auto", "pallas", "xla")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the runtime will be asked to do; None leaves the choice to the mapper."""
+
+    max_context: int | None = None
+    max_batch: int | None = None
+    prefill_chunk: int | None = None
+    draft: str | None = None      # a draft model for speculative decoding, if any
+
+
+@dataclass(frozen=True)
+class SpeculativePolicy:
+    draft: str | None
+    gamma: int                     # draft tokens proposed per cycle
+    particle_cap: int              # SMC particles at most
+    rule: str
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    device_bytes: int              # free memory the plan started from
+    usable_bytes: int
+    weight_bytes: int
+    activation_bytes: int
+    reserve_bytes: int
+    kv_budget_bytes: int
+    page_bytes: int
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    backend: str
+    device_name: str
+    compute_dtype: str
+    kv_dtype: str
+    page_size: int
+    num_pages: int
+    max_context: int
+    max_batch: int
+    prefill_chunk: int
+    batch_buckets: tuple[int, ...]
+    chunk_buckets: tuple[int, ...]
+    page_buckets: tuple[int, ...]
+    attn_impl: str
+    speculative: SpeculativePolicy
+    memory: MemoryBudget
+    reasons: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def buckets(self) -> Buckets:
+        return Buckets(self.batch_buckets, self.chunk_buckets, self.page_buckets)
+
+    def particles_for(self, free_pages: int, context_len: int, gamma: int | None = None) -> int:
+        return particles_for(free_pages, context_len,
+                             self.speculative.gamma if gamma is None else gamma,
+                             page_size=self.page_size,
+                             cap=min(self.speculative.particle_cap, self.max_batch))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ExecutionPlan":
+        raw = json.loads(text)
+        for key in ("batch_buckets", "chunk_buckets", "page_buckets"):
+            raw[key] = tuple(raw[key])
+        raw["speculative"] = SpeculativePolicy(**raw["speculative"])
+        raw["memory"] = MemoryBudget(**raw["memory"])
+        return cls(**raw)
+
+
+def particle_pages(context_len: int, gamma: int, page_size: int) -> int:
+    """Private pages one extra particle needs: its copy of the shared partial page plus
+    room for gamma + 1 new tokens (full prefix pages are shared, copy-on-write)."""
+    return -(-(context_len % page_size + gamma + 1) // page_size)
+
+
+def particles_for(free_pages: int, context_len: int, gamma: int, *, page_size: int,
+                  cap: int) -> int:
+    """SMC particle count N for one sequence: 1 (plain speculative decoding) when pages are
+    tight, up to `cap` when plentiful. A tenth of the free pages is kept as headroom for
+    the other sequences' growth; the extra particles never take more than the rest."""
+    usable = max(free_pages, 0) - math.ceil(max(free_pages, 0) / 10)
+    return max(1, min(cap, 1 + usable // particle_pages(context_len, gamma, page_size)))
+
+
+def page_width_buckets(max_pages: int, dense: bool) -> tuple[int, ...]:
+    """Block-table widths. Dense (CPU): every 2 pages up to 32, then ~1.25x, because the
+    XLA reference reads the whole width (measured ~4.3 ms per 1k positions on 2 cores).
+    Sparse (GPU): powers of two, since the kernel skips pages past each row's length."""
+    sizes = [min(2, max_pages)]
+    while sizes[-1] < max_pages:
+        if dense:
+            step = 2 if sizes[-1] < 32 else sizes[-1] // 4
+            sizes.append(min(sizes[-1] + step, max_pages))
+        else:
+            sizes.append(min(sizes[-1] * 2, max_pages))
+    return tuple(sizes)
+
+
+def powers_of_two_upto(n: int, start: int = 1) -> tuple[int, ...]:
+    sizes = [min(start, n)]
+    while sizes[-1] < n:
+        sizes.append(min(sizes[-1] * 2, n))
+    return tuple(sizes)
+
+
+def _itemsize(dtype_name: str) -> int:
+    return jnp.dtype(dtype_name).itemsize
+
+
+def page_bytes(config: ModelConfig, page_size: int, kv_dtype: str) -> int:
+    values = config.num_layers * 2 * config.num_kv_heads * page_size
+    scales = values * 4 if is_quantized(kv_dtype) else 0  # one f32 per token and head
+    return values * config.head_dim * _itemsize(kv_dtype) + scales
+
+
+def activation_bytes(config: ModelConfig, max_batch: int, chunk: int, max_context: int,
+                     compute: str, dense_scores: bool) -> int:
+    """Peak transient memory of one prefill step over max_batch x chunk tokens: hidden
+    states through a layer, the XLA reference's f32 scores over the whole context (the
+    Pallas kernel keeps them on chip), and one chunk's f32 logits (the scoring API)."""
+    tokens = max_batch * chunk
+    per_token = (6 * config.hidden_size + 2 * config.intermediate_size) * _itemsize(compute)
+    if dense_scores:
+        per_token += 4 * config.num_heads * max_context
+    return tokens * per_token + chunk * config.vocab_size * 4
+
+
+def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Workload(),
+         *, dtype: str | None = None, kv_dtype: str | None = None, page_size: int | None = None,
+         num_pages: int | None = None, attn_impl: str = "auto") -> ExecutionPlan:
+    """The Execution Plan for `config` on `hardware`; keyword arguments override choices."""
+    gpu = hardware.backend == "gpu"
+    why: dict[str, str] = {}
+
+    def choose(name, given, default, reason):
+        if given is not None:
+            why[name] = "set by the caller"
+            return given
+        why[name] = reason
+        return default
+
+    compute = choose("compute_dtype", dtype, "bfloat16" if gpu else "float32",
+                     "GPU: bf16 halves weight bytes and runs on tensor cores" if gpu else
+                     "CPU: XLA:CPU runs bf16/int8 matrix-vector 10-30x slower than f32 (measured)")
+    compute = _named(compute, DTYPE_NAMES, "dtype")
+    kv = _named(choose("kv_dtype", kv_dtype, compute, "same as compute; int8/fp8 halve KV "
+                       "bytes at a small accuracy cost (opt in with kv_dtype)"),
+                KV_DTYPE_NAMES, "kv_dtype")
+    if kv != compute and not gpu and kv_dtype is not None and is_quantized(kv):
+        log.warning("quantized KV on the CPU is slow (XLA:CPU converts int8/fp8 slowly); "
+                    "it saves memory, not time")
+    ps = choose("page_size", page_size, 16 if gpu else 64,
+                "GPU: 16-token pages share prefixes finely; the kernel reads 4 pages a block"
+                if gpu else "CPU: decode measured fastest at 64 of 16/32/64/128")
+    if ps < 1:
+        raise PlanError(f"page_size must be a positive integer (got {ps})")
+    context = choose("max_context", workload.max_context, config.max_context,
+                     "the model's trained context")
+    context = min(context, config.max_context)
+    batch = choose("max_batch", workload.max_batch, 64 if gpu else 8,
+                   "GPU: decode is bandwidth-bound; 64 rows share each weight read" if gpu else
+                   "CPU: 8 rows share each weight read; 2 cores saturate beyond")
+    chunk = choose("prefill_chunk", workload.prefill_chunk, 512 if gpu else 256,
+                   "prefill tokens per step: large enough to be compute-bound, small enough "
+                   "to interleave decode steps")
+    for name, value in (("max_batch", batch), ("prefill_chunk", chunk), ("max_context", context)):
+        if value < 1:
+            raise PlanError(f"{name} must be a positive integer (got {value})")
+
+    impl = choose("attn_impl", None if attn_impl == "auto" else attn_impl,
+                  "pallas" if gpu else "xla",
+                  "GPU: the Pallas paged-attention kernel" if gpu else
+                  "CPU: the XLA reference (Pallas runs only interpreted here)")
+    if impl not in ATTN_IMPLS[1:]:
+        raise PlanError(f"attn_impl {impl!r} is not supported; choose one of {ATTN_IMPLS}")
+
+    per_context = -(-context // ps)
+    while True:
+        memory = _budget(hardware, config, compute, kv, ps, batch, chunk, context, impl)
+        fits = memory.kv_budget_bytes // memory.page_bytes - 1  # page 0 is scratch
+        if fits >= per_context or workload.max_batch is not None or batch <= 8:
+            break
+        batch //= 2  # prefill activations scale with the batch: trade rows for context
+        why["max_batch"] = f"halved to {batch}: the prefill activations left no room for a context"
+    if fits < per_context:
+        if workload.max_context is not None or num_pages is not None:
+            raise _no_room(memory, per_context, context, ps, hardware)
+        if fits < 1:
+            raise _no_room(memory, per_context, context, ps, hardware)
+        context = fits * ps
+        per_context = fits
+        why["max_context"] = (f"shrunk to {context} tokens: the KV budget "
+                              f"({memory.kv_budget_bytes / GB:.2f} GB) holds no more")
+        log.warning("max_context %s", why["max_context"])
+    want = (batch if gpu else 2) * per_context + 1
+    pages = choose("num_pages", num_pages, min(want, fits + 1),
+                   f"{'max_batch' if gpu else 'two'} full contexts of "
+                   f"{per_context} pages (+ scratch), within the KV budget"
+                   + ("" if gpu else "; host RAM is zero-filled, so no more than that"))
+    if pages > fits + 1:
+        need = pages * memory.page_bytes / GB
+        raise PlanError(f"num_pages={pages} needs {need:.2f} GB of KV but only "
+                        f"{memory.kv_budget_bytes / GB:.2f} GB is left after weights and "
+                        f"activations; at most {fits + 1} pages fit (or quantize the KV)")
+    if pages < 2:
+        raise PlanError(f"num_pages={pages} leaves no page beside the scratch page; "
+                        "use at least 2")
+
+    batch_buckets = powers_of_two_upto(batch)
+    chunk_buckets = powers_of_two_upto(chunk, start=16)
+    page_buckets = page_width_buckets(per_context, dense=not gpu)
+    why["buckets"] = ("batch and chunk: powers of two; block-table widths: "
+                      + ("every 2 pages to 32, then ~1.25x (XLA reads the whole width)"
+                         if not gpu else "powers of two (the kernel skips unseen pages)"))
+    spec = SpeculativePolicy(
+        draft=workload.draft, gamma=4, particle_cap=8 if gpu else 4,
+        rule="N = 1 + (free pages - 10% headroom) // pages per extra particle "
+             "(its partial page + gamma + 1 tokens), clamped to [1, min(cap, max_batch)]")
+    why["speculative"] = ("no draft model given: plain decoding until one is set"
+                          if workload.draft is None else f"draft {workload.draft}")
+    return ExecutionPlan(
+        backend=hardware.backend, device_name=hardware.device_name, compute_dtype=compute,
+        kv_dtype=kv, page_size=ps, num_pages=pages, max_context=context, max_batch=batch,
+        prefill_chunk=chunk, batch_buckets=batch_buckets, chunk_buckets=chunk_buckets,
+        page_buckets=page_buckets, attn_impl=impl, speculative=spec, memory=memory,
+        reasons=why)
+
+
+def _named(value: str, names: dict, what: str) -> str:
+    if value not in names:
+        raise PlanError(f"{what} {value!r} is not supported; choose one of {sorted(names)}")
+    return names[value]
+
+
+def _budget(hw: HardwareProfile, config: ModelConfig, compute: str, kv: str, ps: int,
+            batch: int, chunk: int, context: int, impl: str) -> MemoryBudget:
+    device = hw.memory_free_bytes
+    # GPU: keep 10% for the runtime and fragmentation; CPU: half the free RAM (the OS,
+    # the Python heap and converted-weight copies live there too)
+    usable = int(device * (0.9 if hw.backend == "gpu" else 0.5))
+    weights = config.num_params() * _itemsize(compute)
+    act = activation_bytes(config, batch, chunk, context, compute, dense_scores=impl == "xla")
+    reserve = int(1 * GB) if hw.backend == "gpu" else int(0.5 * GB)
+    if weights + reserve > usable:
+        raise PlanError(
+            f"the model's weights need {weights / GB:.2f} GB ({config.num_params() / 1e9:.2f} B "
+            f"params in {compute}) but only {usable / GB:.2f} GB of the device's "
+            f"{device / GB:.2f} GB free is usable; use a smaller model, a smaller dtype "
+            "or another device")
+    kv_budget = usable - weights - act - reserve
+    return MemoryBudget(device, usable, weights, act, reserve, max(kv_budget, 0),
+                        page_bytes(config, ps, kv))
+
+
+def _no_room(memory: MemoryBudget, per_context: int, context: int, ps: int,
+             hw: HardwareProfile) -> PlanError:
+    need = (per_context + 1) * memory.page_bytes
+    return PlanError(
+        f"a {context}-token context needs {need / GB:.2f} GB of KV ({per_context} pages of "
+        f"{ps} tokens) but {memory.kv_budget_bytes / GB:.2f} GB is left on {hw.device_name} "
+        f"after {memory.weight_bytes / GB:.2f} GB of weights and "
+        f"{memory.activation_bytes / GB:.2f} GB of activations; use a smaller max_context, "
+        "a smaller max_batch or prefill_chunk, quantized KV (kv_dtype='int8') or another device")
