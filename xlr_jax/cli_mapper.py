@@ -90,11 +90,10 @@ def _arch(name: str):
 
     if name in PRESETS:
         return PRESETS[name]
-    try:
-        path = resolve_model(name)
-    except Exception:
+    path = resolve_model(name)
+    if not path.exists():
         raise InvalidRequestError(f"unknown model {name!r}: give a preset "
-                                  f"({', '.join(PRESETS)}) or a model path") from None
+                                  f"({', '.join(PRESETS)}) or a model path")
     return Arch.from_config(read_config(path), name=Path(name).name)
 
 

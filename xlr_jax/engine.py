@@ -316,8 +316,9 @@ class Engine:
         # the token drawn after position p is the (p + 1 - prompt)-th of its sequence
         steps = [int(positions[j]) + 1 - len(r.prompt_ids) for j, r in enumerate(reqs)]
         sampling, greedy_only = self._sampling(reqs, rows, steps)
+        # always a device array: a numpy/device mix would double the dispatch cache
         next_tokens, _, self.kv = self.steps.decode(
-            self.params, self.kv, tokens if feed is None else feed, positions,
+            self.params, self.kv, jnp.asarray(tokens) if feed is None else feed, positions,
             self._block_tables(reqs, rows), sampling, greedy_only)
         return next_tokens
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -81,16 +82,20 @@ class Steps:
     """
 
     def __init__(self, config: ModelConfig, attn_impl: str = "auto"):
-        static = ("config", "attn_impl", "greedy_only")
         self.config, self.attn_impl = config, attn_impl
-        self._prefill = jax.jit(_prefill, donate_argnames="kv", static_argnames=static)
-        self._decode = jax.jit(_decode, donate_argnames="kv", static_argnames=static)
-        self._all_logits = jax.jit(_all_logits, donate_argnames="kv",
-                                   static_argnames=static[:2])
+        # config bound per instance: jit caches are per function object, so each Steps
+        # counts (and owns) only its own compilations
+        fixed = dict(config=config, attn_impl=attn_impl)
+        self._prefill = jax.jit(partial(_prefill, **fixed), donate_argnames="kv",
+                                static_argnames="greedy_only")
+        self._decode = jax.jit(partial(_decode, **fixed), donate_argnames="kv",
+                               static_argnames="greedy_only")
+        self._all_logits = jax.jit(partial(_all_logits, **fixed), donate_argnames="kv")
         self._aot: dict[tuple, jax.stages.Compiled] = {}
 
-    def _static(self, greedy_only: bool) -> dict:
-        return dict(config=self.config, attn_impl=self.attn_impl, greedy_only=greedy_only)
+    @staticmethod
+    def _static(greedy_only: bool) -> dict:
+        return dict(greedy_only=greedy_only)
 
     def prefill(self, params, kv, tokens, start, num_new, block_tables, sampling, greedy_only):
         args = (params, kv, tokens, start, num_new, block_tables, sampling)
@@ -103,8 +108,7 @@ class Steps:
         return exe(*args) if exe else self._decode(*args, **self._static(greedy_only))
 
     def all_logits(self, params, kv, tokens, start, num_new, block_tables):
-        return self._all_logits(params, kv, tokens, start, num_new, block_tables,
-                                config=self.config, attn_impl=self.attn_impl)
+        return self._all_logits(params, kv, tokens, start, num_new, block_tables)
 
     def warmup(self, params, kv, buckets: Buckets, progress: bool = True) -> list[dict]:
         """Compile prefill and decode for every bucket combination (greedy-only and

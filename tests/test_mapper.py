@@ -1,0 +1,286 @@
+"""The hardware probe, the Execution Plan, adaptive particle counts, the roofline and the
+compile-once-per-bucket rule."""
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import xlr_jax
+from xlr_jax import PlanError, Workload, plan, probe
+from xlr_jax.bench_runners import random_params
+from xlr_jax.config import ModelConfig
+from xlr_jax.engine import Engine
+from xlr_jax.hardware import HardwareProfile, peaks, preset
+from xlr_jax.mapper import ExecutionPlan, particle_pages, particles_for
+from xlr_jax.registry import resolve_model
+from xlr_jax.roofline import PRESETS, Arch, estimate
+from xlr_jax.sampling import SamplingParams
+from xlr_jax.weights import read_config
+
+GB = 10 ** 9
+LLAMA3_8B = ModelConfig("llama", 128256, 4096, 32, 32, 8, 128, 14336, 1e-5, 500000.0, 8192,
+                        tie_embeddings=False)
+RESULTS = Path(__file__).parents[1] / "experiments" / "results"
+
+
+def fake(backend: str, memory_gb: float, name: str) -> HardwareProfile:
+    mem = int(memory_gb * GB)
+    return HardwareProfile(backend, name, 1, mem, mem, "9.0" if backend == "gpu" else None,
+                           16, 1000.0, 100.0, "table")
+
+
+PROFILES = {"cpu24": fake("cpu", 24, "cpu"), "gpu8": fake("gpu", 8, "NVIDIA RTX 3070"),
+            "gpu24": fake("gpu", 24, "NVIDIA RTX 4090"), "gpu80": fake("gpu", 80, "NVIDIA H100"),
+            "gpu141": fake("gpu", 141, "NVIDIA H200")}
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return read_config(resolve_model("smollm2"))
+
+
+def check_within_budget(p: ExecutionPlan):
+    m = p.memory
+    assert m.weight_bytes + m.activation_bytes + m.reserve_bytes + m.kv_budget_bytes <= m.usable_bytes
+    assert p.num_pages * m.page_bytes <= m.kv_budget_bytes + m.page_bytes  # + the scratch page
+    assert p.num_pages >= 2 and p.max_context >= p.page_size
+    assert p.page_buckets[-1] == -(-p.max_context // p.page_size)
+
+
+# ---------------------------------------------------------------- probe
+
+def test_probe_this_cpu():
+    hw = probe()
+    assert hw.backend == "cpu" and hw.device_count >= 1 and hw.cpu_cores >= 1
+    assert 0 < hw.memory_free_bytes <= hw.memory_total_bytes
+    assert hw.peak_source == "default" and "xlr probe --measure" in hw.notes[0]
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+
+
+def test_probe_measures_on_the_spot():
+    hw = probe(measure=True)
+    assert hw.peak_source == "measured" and not hw.notes
+    assert 1 < hw.peak_bandwidth_gb_s < 1000 and 0.001 < hw.peak_tflops < 100
+
+
+def test_gpu_peaks_from_the_table_or_a_conservative_default(caplog):
+    spec, source, notes = peaks("NVIDIA H200", "gpu")
+    assert (spec.bandwidth_gb_s, spec.tflops_bf16, source, notes) == (4800, 989, "table", ())
+    assert peaks("NVIDIA H100 PCIe", "gpu")[0].bandwidth_gb_s == 2000  # most specific first
+    spec, source, notes = peaks("NVIDIA Imaginary 9000", "gpu")
+    assert source == "default" and spec.bandwidth_gb_s <= 300
+    assert "not in the GPU table" in notes[0] and "not in the GPU table" in caplog.text
+
+
+# ---------------------------------------------------------------- plans
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_plans_fit_and_pick_backend_choices(smollm2, name):
+    hw = PROFILES[name]
+    for config in (smollm2, LLAMA3_8B):
+        if name in ("gpu8", "cpu24") and config is LLAMA3_8B:
+            with pytest.raises(PlanError, match="weights need"):  # 16 GB bf16 / 32 GB f32
+                plan(hw, config)
+            continue
+        p = plan(hw, config)
+        check_within_budget(p)
+        gpu = hw.backend == "gpu"
+        assert p.compute_dtype == ("bfloat16" if gpu else "float32")
+        assert p.attn_impl == ("pallas" if gpu else "xla")
+        assert p.kv_dtype == p.compute_dtype
+        assert set(p.reasons) >= {"compute_dtype", "page_size", "num_pages", "attn_impl"}
+        assert ExecutionPlan.from_json(p.to_json()) == p
+        assert json.loads(p.to_json())["reasons"] == p.reasons
+
+
+def test_bigger_gpus_get_more_pages():
+    pages = [plan(PROFILES[n], LLAMA3_8B).num_pages for n in ("gpu24", "gpu80", "gpu141")]
+    assert pages[0] < pages[1] < pages[2]
+    small = plan(PROFILES["gpu24"], LLAMA3_8B)  # 16 GB of weights on 24 GB: trimmed to fit
+    assert small.max_batch < 64 or small.max_context < LLAMA3_8B.max_context
+
+
+def test_model_that_cannot_fit():
+    with pytest.raises(PlanError, match=r"weights need 16\.\d+ GB.*7\.\d+ GB.*another device"):
+        plan(PROFILES["gpu8"], LLAMA3_8B)
+
+
+def test_context_that_leaves_no_pages():
+    with pytest.raises(PlanError, match=r"8192-token context needs .* GB of KV.*quantized KV"):
+        plan(PROFILES["gpu24"], LLAMA3_8B, Workload(max_context=8192, max_batch=64))
+
+
+def test_override_that_cannot_fit_is_refused_with_numbers(smollm2):
+    with pytest.raises(PlanError, match=r"num_pages=10000000 needs [\d.]+ GB .* at most \d+ pages"):
+        plan(PROFILES["cpu24"], smollm2, num_pages=10_000_000)
+    with pytest.raises(PlanError, match="kv_dtype 'int4' is not supported"):
+        plan(PROFILES["cpu24"], smollm2, kv_dtype="int4")
+
+
+def test_overrides_are_kept_and_quantized_kv_halves_page_bytes():
+    base = plan(PROFILES["gpu80"], LLAMA3_8B)
+    p = plan(PROFILES["gpu80"], LLAMA3_8B, Workload(max_batch=16), page_size=32, kv_dtype="int8")
+    assert (p.max_batch, p.page_size, p.kv_dtype) == (16, 32, "int8")
+    assert p.reasons["page_size"] == "set by the caller"
+    # int8 values plus one f32 scale per token and head, against bf16 values
+    assert p.memory.page_bytes * 16 / 32 == pytest.approx(base.memory.page_bytes * (1 + 4 / 128) / 2)
+
+
+def test_load_model_uses_the_plan(tmp_path):
+    model = xlr_jax.load_model("smollm2", cache_dir=tmp_path, max_context=256, max_batch=2)
+    e, p = model.engine, model.plan
+    assert (e.pool.page_size, e.pool.num_pages, e.max_batch) == (p.page_size, p.num_pages, 2)
+    assert e.buckets == p.buckets and str(e.kv.k.dtype) == p.kv_dtype
+    assert model.info()["plan"]["num_pages"] == p.num_pages
+    with pytest.raises(PlanError, match="needs"):
+        xlr_jax.load_model("smollm2", cache_dir=tmp_path, num_pages=10_000_000)
+
+
+# ---------------------------------------------------------------- particles
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 5000), st.integers(0, 5000), st.integers(1, 8000), st.integers(1, 8),
+       st.sampled_from([16, 64]), st.integers(1, 16))
+def test_particles_monotone_and_never_over_commit(a, b, context, gamma, page_size, cap):
+    lo, hi = sorted((a, b))
+    n_lo = particles_for(lo, context, gamma, page_size=page_size, cap=cap)
+    n_hi = particles_for(hi, context, gamma, page_size=page_size, cap=cap)
+    assert 1 <= n_lo <= n_hi <= cap
+    assert (n_hi - 1) * particle_pages(context, gamma, page_size) <= hi - math.ceil(hi / 10)
+
+
+def test_particles_tight_then_plentiful():
+    p = plan(PROFILES["gpu80"], LLAMA3_8B)
+    assert p.particles_for(free_pages=0, context_len=1000) == 1
+    assert p.particles_for(free_pages=1, context_len=1000) == 1  # the page is headroom
+    assert p.particles_for(free_pages=10_000, context_len=1000) == p.speculative.particle_cap
+
+
+# ---------------------------------------------------------------- roofline
+
+def test_llama3_8b_counts_against_a_hand_computation():
+    arch = PRESETS["llama-3-8b"]
+    assert arch.num_params() == pytest.approx(8.03e9, rel=0.005)
+    assert Arch.from_config(LLAMA3_8B).num_params() == LLAMA3_8B.num_params() == arch.num_params()
+    context = 4096
+    # by hand, bf16: every weight but the input embedding once (32 layers of q, k, v, o, gate,
+    # up, down and two norms; final norm; LM head), then K and V of 8 heads x 128 for 32
+    # layers at each of the 4096 cached positions, and the new token's K and V written
+    layer = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    weights = 2 * (32 * layer + 4096 + 128256 * 4096)
+    kv = 2 * 32 * 2 * 8 * 128 * (context + 1)
+    figures = estimate(arch, preset("h200"), prompt=context, batch=1)
+    assert figures["decode_bytes_per_token"] == pytest.approx(weights + kv, rel=0.01)
+    assert figures["decode_bound"] == "memory" and figures["prefill_bound"] == "compute"
+    assert figures["itl_s"] == pytest.approx((weights + kv) / 4800e9, rel=0.01)
+
+
+@pytest.mark.parametrize("name,total,active", [
+    ("llama-3-70b", 70.6e9, None), ("qwen2.5-72b", 72.7e9, None),
+    ("mixtral-8x7b", 46.7e9, 12.9e9), ("deepseek-v3-like", 671e9, 37e9)])
+def test_presets_match_published_sizes(name, total, active):
+    arch = PRESETS[name]
+    assert arch.num_params() == pytest.approx(total, rel=0.02)
+    if active:  # active per token, less the input embedding (a lookup)
+        assert arch.active_matmul_params() == pytest.approx(active, rel=0.05)
+
+
+def test_moe_decode_reads_only_touched_experts():
+    arch, hw = PRESETS["mixtral-8x7b"], preset("h100")
+    one = estimate(arch, hw, prompt=512, batch=1)["decode_bytes_per_step"]
+    many = estimate(arch, hw, prompt=512, batch=64)["decode_bytes_per_step"]
+    weights = arch.weight_bytes_read(1, 2)
+    assert weights < 0.4 * arch.num_params() * 2  # 2 of 8 experts
+    assert many > one and arch.weight_bytes_read(64, 2) == pytest.approx(
+        (arch.num_params() - arch.embed_params()) * 2, rel=1e-3)
+
+
+def _xlr(*args):
+    return subprocess.run([sys.executable, "-m", "xlr_jax.cli", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_roofline_cli_json_and_plot(tmp_path):
+    out = _xlr("roofline", "llama-3-70b", "--hardware", "h200", "--prompt", "4096",
+               "--batch", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout)
+    arch = PRESETS["llama-3-70b"]
+    assert figures["prefill_flops"] == pytest.approx(2 * 4096 * arch.active_matmul_params(),
+                                                     rel=0.1)
+    assert figures["ttft_s"] > figures["itl_s"] > 0
+    assert figures["decode_bytes_per_step"] > 2 * arch.num_params() * 0.98
+    table = _xlr("roofline", "llama-3-70b", "--hardware", "h200", "--prompt", "4096")
+    assert "TTFT, ITL" in table.stdout and "compute" in table.stdout
+    png = tmp_path / "roof.png"
+    bench = sorted(RESULTS.glob("cpu_vs_transformers-*.json"))[-1]
+    out = _xlr("roofline", "smollm2", "--hardware", "this", "--plot", str(png),
+               "--measured", str(bench))
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    bad = _xlr("roofline", "llama-9", "--hardware", "h200")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "llama-3-8b" in bad.stderr
+
+
+def test_plan_and_probe_cli():
+    out = _xlr("plan", "--json", "--max-context", "1024")
+    assert out.returncode == 0, out.stderr
+    p = ExecutionPlan.from_json(out.stdout)
+    assert p.max_context == 1024 and p.compute_dtype == "float32"
+    assert "set by the caller" in _xlr("plan", "--max-context", "1024").stdout
+    out = _xlr("probe", "--json")
+    assert json.loads(out.stdout)["backend"] == "cpu"
+    bad = _xlr("plan", "--num-pages", "100000000")
+    assert bad.returncode == 2 and "at most" in bad.stderr
+
+
+# ---------------------------------------------------------------- shapes before compilation
+
+TINY = ModelConfig("llama", 256, 64, 2, 4, 2, 16, 128, 1e-5, 10000.0, 64, tie_embeddings=True)
+
+
+def fifty_requests(engine: Engine, seed: int):
+    rng = np.random.default_rng(seed)
+    done = 0
+    while done < 50:
+        n = int(rng.integers(1, 4))
+        prompts = [[int(t) for t in rng.integers(0, 256, int(rng.integers(1, 40)))]
+                   for _ in range(n)]
+        params = [SamplingParams(max_tokens=int(rng.integers(1, 64 - len(p))), ignore_eos=True,
+                                 temperature=float(rng.choice([0.0, 0.8])))
+                  for p in prompts]
+        results = [r for _, _, r in engine.run(prompts, params) if r is not None]
+        assert len(results) == n
+        done += n
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_compilations_never_exceed_the_buckets(warm):
+    p = plan(PROFILES["cpu24"], TINY, Workload(max_batch=2, prefill_chunk=32), page_size=16)
+    engine = Engine.from_plan(TINY, random_params(TINY, jnp.float32, 0), None, p)
+    b = p.buckets
+    prefill_buckets = len(b.batch) * len(b.chunk) * len(b.pages) * 2  # x2: greedy or sampling
+    decode_buckets = len(b.batch) * len(b.pages) * 2
+    if warm:
+        report = engine.steps.warmup(engine.params, engine.kv, b, progress=False)
+        assert len(report) == prefill_buckets + decode_buckets
+        assert all(r["compile_s"] > 0 for r in report)
+    fifty_requests(engine, seed=int(warm))
+    counts = engine.steps.compilations()
+    assert counts["prefill"] <= prefill_buckets and counts["decode"] <= decode_buckets
+    if warm:  # everything ran on the warmed executables: the jit caches stayed empty
+        assert engine.steps._prefill._cache_size() == engine.steps._decode._cache_size() == 0
+
+
+def test_plan_dataclass_is_frozen(smollm2):
+    p = plan(PROFILES["cpu24"], smollm2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.num_pages = 3
