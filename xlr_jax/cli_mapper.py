@@ -83,9 +83,9 @@ def _hardware(name: str):
         raise InvalidRequestError(str(e) + "; or 'this' for this machine") from None
 
 
-def _arch(name: str):
+def _model_config(name: str):
     from xlr_jax.registry import resolve_model
-    from xlr_jax.roofline import PRESETS, Arch
+    from xlr_jax.roofline import PRESETS
     from xlr_jax.weights import read_config
 
     if name in PRESETS:
@@ -94,16 +94,17 @@ def _arch(name: str):
     if not path.exists():
         raise InvalidRequestError(f"unknown model {name!r}: give a preset "
                                   f"({', '.join(PRESETS)}) or a model path")
-    return Arch.from_config(read_config(path), name=Path(name).name)
+    return read_config(path)
 
 
 def cmd_roofline(args) -> int:
     from xlr_jax.roofline import estimate, measured_points, plot
 
     hw = _hardware(args.hardware)
-    arch = _arch(args.model)
-    figures = estimate(arch, hw, prompt=args.prompt, batch=args.batch, context=args.context,
-                       weight_bytes=args.weight_bytes, kv_bytes=args.kv_bytes)
+    config = _model_config(args.model)
+    figures = estimate(config, hw, prompt=args.prompt, batch=args.batch, context=args.context,
+                       weight_bytes=args.weight_bytes, kv_bytes=args.kv_bytes,
+                       name=Path(args.model).name)
     if args.plot:
         points = [p for f in args.measured for p in measured_points(json.loads(Path(f).read_text()))]
         plot(figures, hw, args.plot, points)
@@ -111,7 +112,7 @@ def cmd_roofline(args) -> int:
     if args.json:
         print(json.dumps(figures, indent=2))
         return 0
-    print(f"{arch.name} on {hw.device_name} ({hw.peak_bandwidth_gb_s:.0f} GB/s, "
+    print(f"{figures['model']} on {hw.device_name} ({hw.peak_bandwidth_gb_s:.0f} GB/s, "
           f"{hw.peak_tflops:g} TFLOP/s, ridge {hw.ridge_flops_per_byte:.0f} FLOP/B): "
           f"{figures['params'] / 1e9:.2f} B params, {figures['active_params_per_token'] / 1e9:.2f} B "
           f"active per token, KV {figures['kv_bytes_per_token'] / 1e3:.0f} kB/token")
@@ -123,6 +124,10 @@ def cmd_roofline(args) -> int:
         print(f"{label + (' (' + unit + ')' if unit else ''):>18} {fmt(pre):>14} {fmt(dec):>14}")
     print(f"{'time':>18} {figures['ttft_s'] * 1e3:>11.1f} ms {figures['itl_s'] * 1e3:>11.2f} ms"
           f"   (TTFT, ITL; {figures['decode_tokens_per_s']:,.0f} tok/s decode)")
+    if figures["weight_bytes"] > figures["device_memory_bytes"]:
+        print(f"note: the weights ({figures['weight_bytes'] / 1e9:.0f} GB) exceed "
+              f"{hw.device_name}'s {figures['device_memory_bytes'] / 1e9:.0f} GB: the figures "
+              "assume they fit (more devices, or fewer bytes per weight)", file=sys.stderr)
     if args.plot:
         print(f"plot: {args.plot}", file=sys.stderr)
     return 0

@@ -19,14 +19,14 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral" or "qwen2"
+    architecture: str  # "llama", "mistral" or "qwen2" (others only for the roofline)
     vocab_size: int
     hidden_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
+    intermediate_size: int  # dense FFN width
     rms_norm_eps: float
     rope_theta: float
     max_context: int
@@ -34,6 +34,16 @@ class ModelConfig:
     qkv_bias: bool = False
     sliding_window: int | None = None
     rope_scaling: RopeScaling = RopeScaling()
+    # MoE (0 experts = dense); the first `dense_layers` layers stay dense
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    # MLA-style attention through low-rank latents; the cache holds one
+    # `kv_latent_dim` vector per token and layer (0 = plain GQA)
+    q_latent_dim: int = 0
+    kv_latent_dim: int = 0
 
     @property
     def q_size(self) -> int:
@@ -43,14 +53,46 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - self.dense_layers if self.num_experts else 0
+
+    def attention_params(self) -> int:
+        d, q = self.hidden_size, self.q_size
+        if self.kv_latent_dim:
+            q_in = d * self.q_latent_dim + self.q_latent_dim * q if self.q_latent_dim else d * q
+            return q_in + d * self.kv_latent_dim + self.kv_latent_dim * 2 * q + q * d
+        return d * (q + 2 * self.kv_size) + q * d + ((q + 2 * self.kv_size) if self.qkv_bias else 0)
+
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def ffn_params(self, active: bool = False) -> int:
+        """All layers' FFN weights (routers included); `active`: those one token uses."""
+        dense = (self.num_layers - self.moe_layers) * 3 * self.hidden_size * self.intermediate_size
+        experts = self.experts_per_token if active else self.num_experts
+        moe = self.moe_layers * ((experts + self.shared_experts) * self.expert_params()
+                                 + self.hidden_size * self.num_experts)
+        return dense + moe
+
+    def embed_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
     def num_params(self) -> int:
-        d, layers = self.hidden_size, self.num_layers
-        attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
-        if self.qkv_bias:
-            attn += self.q_size + 2 * self.kv_size
-        per_layer = attn + 3 * d * self.intermediate_size + 2 * d
-        head = 0 if self.tie_embeddings else self.vocab_size * d
-        return self.vocab_size * d + layers * per_layer + d + head
+        d = self.hidden_size
+        layers = self.num_layers * (self.attention_params() + 2 * d) + self.ffn_params()
+        head = 0 if self.tie_embeddings else self.embed_params()
+        return self.embed_params() + layers + d + head
+
+    def active_matmul_params(self) -> int:
+        """Weights one token multiplies by: all but idle experts and the input embedding
+        (a lookup); the LM head counts."""
+        return (self.num_layers * self.attention_params() + self.ffn_params(active=True)
+                + self.embed_params())
+
+    def kv_values_per_token(self) -> int:
+        """Cached values per token, all layers."""
+        return self.num_layers * (self.kv_latent_dim or 2 * self.kv_size)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
