@@ -73,4 +73,4 @@ def test_more_prompts_than_max_batch_all_complete(model):
     results = model.generate(prompts, max_tokens=6)
     assert len(results) == len(prompts) and all(len(r.token_ids) == 6 for r in results)
     assert [r.token_ids for r in results[-2:]] == alone
-    assert model.engine.pool.num_free == model.engine.pool.num_pages - 1  # nothing leaked
+    assert model.engine.pool.num_available == model.engine.pool.num_pages - 1  # nothing leaked

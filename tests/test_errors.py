@@ -82,7 +82,7 @@ def test_errors_leave_the_model_usable(model):
     with pytest.raises(XlrError):
         model.generate(["fine prompt", ""])
     assert model.generate("The capital of France is", max_tokens=8).token_ids == before
-    assert model.engine.pool.num_free == model.engine.pool.num_pages - 1
+    assert model.engine.pool.num_available == model.engine.pool.num_pages - 1  # none leaked
 
 
 def run_cli(*args, **kw):
@@ -107,5 +107,5 @@ def test_abandoned_stream_gives_its_pages_back(model):
     pieces = model.stream("Once upon a time", max_tokens=64, ignore_eos=True)
     assert next(pieces) and next(pieces)
     pieces.close()  # the caller walked away mid-generation
-    assert model.engine.pool.num_free == model.engine.pool.num_pages - 1
+    assert model.engine.pool.num_available == model.engine.pool.num_pages - 1
     assert model.generate("The capital of France is", max_tokens=4).finish_reason == "length"

@@ -101,10 +101,10 @@ def test_engine_waits_for_pages_instead_of_failing(tmp_path):
     assert [r.token_ids for r in together] == alone
     for first, second in zip(together, together[1:]):  # each waited for the one before
         assert second.metrics["ttft_s"] >= first.metrics["total_s"]
-    assert small.engine.pool.num_free == 3
+    assert small.engine.pool.num_available == 3  # free, or cached and evictable
     with pytest.raises(xlr_jax.PromptTooLongError, match="lower max_tokens"):
         small.generate(prompts, max_tokens=50)  # 3 + 50 tokens need 4 pages
-    assert small.engine.pool.num_free == 3
+    assert small.engine.pool.num_available == 3  # free, or cached and evictable
     assert small.generate(prompts[0], max_tokens=14, ignore_eos=True).token_ids == alone[0]
 
 
@@ -119,10 +119,9 @@ def test_each_step_compiles_once_per_bucket(model):
             prompts = [" ".join(rng.choice(words, int(rng.integers(1, 60)))) for _ in range(batch)]
             model.generate(prompts, max_tokens=int(rng.integers(1, 4)))
 
-    workload()
-    first = engine.steps.compilations()
     b = engine.buckets
     combos = len(b.batch) * len(b.chunk) * len(b.pages) * 2  # x2: greedy-only or sampling
-    assert first["prefill"] <= combos and first["decode"] <= len(b.batch) * len(b.pages) * 2
-    workload()  # the same mix of shapes again: nothing new to compile
-    assert engine.steps.compilations() == first
+    for _ in range(2):  # the second time prompts hit the prefix cache: shorter prefills
+        workload()
+        counts = engine.steps.compilations()
+        assert counts["prefill"] <= combos and counts["decode"] <= len(b.batch) * len(b.pages) * 2

@@ -122,4 +122,4 @@ def test_early_finisher_in_a_batch_leaves_the_others_exact(model):
     assert alone[0].finish_reason == "stop" and len(alone[0].token_ids) < 16
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert [r.text for r in together] == [r.text for r in alone]
-    assert model.engine.pool.num_free == model.engine.pool.num_pages - 1
+    assert model.engine.pool.num_available == model.engine.pool.num_pages - 1

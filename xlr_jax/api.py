@@ -14,6 +14,7 @@ from xlr_jax.errors import InvalidRequestError, ModelLoadError
 from xlr_jax.hardware import HardwareProfile, probe
 from xlr_jax.mapper import ExecutionPlan, Workload, plan
 from xlr_jax.model import params_from_arrays
+from xlr_jax.prefix_cache import TIERS
 from xlr_jax.registry import default_cache_dir, resolve_model
 from xlr_jax.sampling import SamplingParams
 from xlr_jax.tokenizer import Tokenizer
@@ -24,7 +25,7 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
                max_batch: int | None = None, prefill_chunk: int | None = None,
                max_context: int | None = None, attn_impl: str = "auto",
                kv_dtype: str | None = None, hardware: HardwareProfile | None = None,
-               cache_dir: str | os.PathLike | None = None,
+               prefix_cache: bool = True, cache_dir: str | os.PathLike | None = None,
                params_cache: bool = True, compile_cache: bool = True) -> "Model":
     """Load a model: "smollm2" (embedded), a .gguf file or a Hugging Face directory.
 
@@ -37,6 +38,7 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
     attn_impl: "auto" (Pallas on GPU, XLA on CPU), "pallas" or "xla".
     kv_dtype: KV page dtype (default: dtype); "int8" or "fp8" store quantized
     pages with per-token-per-head scales.
+    prefix_cache: share the KV of repeated prompt prefixes (False: off, for ablations).
     cache_dir: where converted params (and, with compile_cache, XLA executables)
     are cached (default ~/.cache/xlr-jax); a second process skips both.
     """
@@ -62,7 +64,11 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
     loaded = load_weights(path, dtype=np.dtype(compute), cache_dir=cache)
     tokenizer = _load_tokenizer(path)
     params = params_from_arrays(loaded.params, compute)
-    engine = Engine.from_plan(loaded.config, params, tokenizer, execution)
+    # cached KV is only valid for the same weights, dtype and page layout
+    namespace = (f"{loaded.source_hash}-{execution.compute_dtype}-{execution.kv_dtype}"
+                 f"-{execution.page_size}")
+    engine = Engine.from_plan(loaded.config, params, tokenizer, execution,
+                              prefix_cache=prefix_cache, cache_namespace=namespace)
     load_info = {"load_s": loaded.load_s, "params_from_cache": loaded.from_cache,
                  "source": str(loaded.source), "source_hash": loaded.source_hash}
     return Model(engine, execution, load_info=load_info)
@@ -94,13 +100,19 @@ class Model:
     def generate(self, prompt_or_prompts, max_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
                  stop: str | Sequence[str] | None = None, ignore_eos: bool = False):
-        """Complete one prompt (str or token ids) or a list of them (results in order)."""
-        single = isinstance(prompt_or_prompts, str) or _is_token_list(prompt_or_prompts)
+        """Complete one prompt or a list of them (results in order).
+
+        A prompt is a string, token ids, or a tiered dict {"stable": ..., "context": ...,
+        "volatile": ...} of strings or ids: the stable tier is pinned in the prefix
+        cache, so every later request that starts with it skips its prefill.
+        """
+        single = (isinstance(prompt_or_prompts, (str, dict))
+                  or _is_token_list(prompt_or_prompts))
         prompts = [prompt_or_prompts] if single else list(prompt_or_prompts)
         if not prompts:
             raise InvalidRequestError("no prompts given; pass a string or a list of strings")
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos)
-        results = self._run([self.engine.encode_prompt(p) for p in prompts], params)
+        results = self._run([self._encode(p) for p in prompts], params)
         return results[0] if single else results
 
     def chat(self, messages, max_tokens: int = 256, temperature: float = 0.0,
@@ -108,9 +120,9 @@ class Model:
              stop: str | Sequence[str] | None = None, tools: list | None = None):
         """Reply to a conversation ([{"role", "content"}, ...]) or a list of conversations."""
         single = bool(messages) and isinstance(messages[0], dict)
-        prompts = [self.chat_prompt(m, tools) for m in ([messages] if single else messages)]
-        results = self.generate(prompts, max_tokens=max_tokens, temperature=temperature,
-                                top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop)
+        encoded = [self._encode_chat(m, tools) for m in ([messages] if single else messages)]
+        params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, False)
+        results = self._run(encoded, params)
         return results[0] if single else results
 
     def stream(self, prompt, max_tokens: int = 256, temperature: float = 0.0,
@@ -119,9 +131,8 @@ class Model:
                ignore_eos: bool = False, result: list | None = None) -> Iterator[str]:
         """Yield text pieces as they are generated; `result`, if a list, receives the result."""
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos)
-        text = self.chat_prompt(prompt) if chat else prompt
-        ids = self.engine.encode_prompt(text)
-        for _, piece, done in self.engine.run([ids], [params]):
+        ids, tiers = self._encode_chat(prompt) if chat else self._encode(prompt)
+        for _, piece, done in self.engine.run([ids], [params], [tiers]):
             if piece:
                 yield piece
             if done is not None and result is not None:
@@ -153,12 +164,53 @@ class Model:
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"invalid sampling value: {e}") from e
 
+    def _encode(self, prompt) -> tuple[list[int], tuple[int, int]]:
+        """Token ids and (stable end, context end) tier boundaries of a prompt."""
+        if not isinstance(prompt, dict):
+            return self.engine.encode_prompt(prompt), (0, 0)
+        unknown = set(prompt) - set(TIERS)
+        if unknown:
+            raise InvalidRequestError(f"unknown prompt tier(s) {sorted(unknown)}; a tiered "
+                                      f"prompt has the keys {', '.join(TIERS)}")
+        ids, ends = [], []
+        for tier in TIERS:
+            part = prompt.get(tier)
+            if part:  # each tier tokenized alone: its boundary is exact (BOS only first)
+                piece = self.engine.encode_prompt(part, bos=not ids)
+                ids += piece
+            ends.append(len(ids))
+        self.engine.check_prompt(ids)
+        return ids, (ends[0], ends[1])
+
+    def _encode_chat(self, messages, tools=None) -> tuple[list[int], tuple[int, int]]:
+        """A conversation's ids and tiers: system messages (and tools) are stable, earlier
+        turns context, the last message volatile."""
+        ids = self.engine.encode_prompt(self.chat_prompt(messages, tools))
+        lead = 0
+        while lead < len(messages) and messages[lead].get("role") == "system":
+            lead += 1
+        ends = []
+        for upto in (lead, len(messages) - 1):
+            if upto <= 0:
+                ends.append(0)
+                continue
+            head = self.tokenizer.encode(self.tokenizer.apply_chat_template(
+                messages[:upto], add_generation_prompt=False, tools=tools))
+            ends.append(_common_prefix(head, ids))
+        return ids, (ends[0], max(ends))
+
     def _run(self, prompts, params) -> list[GenerationResult]:
         results: list[GenerationResult | None] = [None] * len(prompts)
-        for index, _, done in self.engine.run(prompts, [params] * len(prompts)):
+        ids, tiers = zip(*prompts)
+        for index, _, done in self.engine.run(list(ids), [params] * len(prompts), list(tiers)):
             if done is not None:
                 results[index] = done
         return results
+
+    @property
+    def prefix_cache(self):
+        """The engine's PrefixCache (`.stats()`, `.register_stable()`...), None when off."""
+        return self.engine.prefix_cache
 
     def warmup(self, progress: bool = True) -> list[dict]:
         """Compile every bucket of the plan now (see Steps.warmup); returns compile times."""
@@ -177,6 +229,11 @@ class Model:
             "plan": {**self.plan.to_dict(), "dtype": self.dtype, "kv_bytes": e.kv.nbytes()},
             "load": self.load_info,
         }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _is_token_list(x) -> bool:

@@ -20,7 +20,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-impl", choices=["auto", "pallas", "xla"], default="auto",
                    help="attention: Pallas kernel or XLA reference (auto: Pallas on GPU only)")
     p.add_argument("--cache-dir", default=None,
-                   help="where converted params are cached (default ~/.cache/xlr-jax)")
+                   help="where converted params and compiled steps are cached "
+                        "(default ~/.cache/xlr-jax)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="recompute every prompt (turn off KV sharing of repeated prefixes)")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -39,7 +42,8 @@ def _load(args):
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     model = load_model(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                       attn_impl=args.attn_impl, cache_dir=args.cache_dir)
+                       attn_impl=args.attn_impl, cache_dir=args.cache_dir,
+                       prefix_cache=not args.no_prefix_cache)
     info = model.load_info
     source = "cache" if info["params_from_cache"] else "conversion"
     print(f"loaded in {info['load_s']:.2f} s (params from {source})", file=sys.stderr, flush=True)
@@ -54,7 +58,9 @@ def _sampling_kwargs(args) -> dict:
 def _print_metrics(metrics: dict) -> None:
     print(f"\nTTFT {metrics['ttft_s'] * 1000:.0f} ms | ITL {metrics['itl_s'] * 1000:.1f} ms | "
           f"{metrics['decode_tokens_per_s']:.1f} tok/s | {metrics['prompt_tokens']} prompt + "
-          f"{metrics['completion_tokens']} completion tokens", file=sys.stderr)
+          f"{metrics['completion_tokens']} completion tokens"
+          f" ({metrics.get('cached_tokens', 0)} prompt tokens from the prefix cache)",
+          file=sys.stderr)
 
 
 def cmd_generate(args) -> int:

@@ -41,7 +41,8 @@ def _plan_for(args):
     workload = dict(max_context=args.max_context, max_batch=args.max_batch,
                     prefill_chunk=args.prefill_chunk)
     if args.warmup:
-        model = load_model(args.model, cache_dir=args.cache_dir, **options, **workload)
+        model = load_model(args.model, cache_dir=args.cache_dir,
+                           prefix_cache=not args.no_prefix_cache, **options, **workload)
         return model.plan, model
     path = resolve_model(args.model)
     return plan(probe(), read_config(path), Workload(**workload), **options), None

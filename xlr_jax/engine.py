@@ -27,6 +27,7 @@ from xlr_jax.errors import InvalidRequestError, PromptTooLongError
 from xlr_jax.mapper import ExecutionPlan, page_width_buckets, powers_of_two_upto
 from xlr_jax.model import Params
 from xlr_jax.paged_kv import PagedKV, PagePool, SequencePages, copy_pages
+from xlr_jax.prefix_cache import PrefixCache
 from xlr_jax.sampling import SamplingBatch, SamplingParams
 from xlr_jax.steps import Buckets, Steps, pick_bucket
 from xlr_jax.tokenizer import Tokenizer
@@ -70,9 +71,14 @@ class _StopText:
 
 class _Request:
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams,
-                 pool: PagePool, tokenizer: Tokenizer | None, max_context: int, start: float):
+                 pool: PagePool, tokenizer: Tokenizer | None, max_context: int, start: float,
+                 tiers: tuple[int, int] = (0, 0)):
         self.index = index
         self.prompt_ids = prompt_ids
+        # tier boundaries: [0, stable) stable, [stable, context) context, the rest volatile
+        self.stable_end, self.context_end = tiers
+        self.cached_tokens = 0
+        self.cache_metrics: dict = {}
         self.params = params
         self.seq = SequencePages(pool)
         self.decoder = tokenizer.incremental_decoder() if tokenizer else None
@@ -120,6 +126,9 @@ class _Request:
             "prompt_tokens": len(self.prompt_ids),
             "completion_tokens": n,
             "total_s": self.last_token_at - self.start,
+            "cached_tokens": self.cached_tokens,
+            "prefilled_tokens": len(self.prompt_ids) - self.cached_tokens,
+            **self.cache_metrics,
         }
         return GenerationResult(self.stop_text.text, list(self.generated),
                                 self.finish_reason, metrics)
@@ -131,11 +140,14 @@ class Engine:
     def __init__(self, config: ModelConfig, params: Params, tokenizer: Tokenizer | None, *,
                  page_size: int, num_pages: int, max_batch: int, prefill_chunk: int,
                  max_context: int, attn_impl: str = "auto", kv_dtype=jnp.float32,
-                 buckets: Buckets | None = None):
+                 buckets: Buckets | None = None, prefix_cache: bool = True,
+                 cache_namespace: str = ""):
         self.config, self.params, self.tokenizer = config, params.per_layer(), tokenizer
         self.max_context = max_context
         self.max_batch = max_batch
         self.pool = PagePool(num_pages, page_size)
+        # full prompt pages shared across requests; the namespace keeps models apart
+        self.prefix_cache = PrefixCache(self.pool, cache_namespace) if prefix_cache else None
         self.kv = PagedKV.create(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
                                  head_dim=config.head_dim, num_pages=num_pages,
                                  page_size=page_size, dtype=kv_dtype)
@@ -149,22 +161,24 @@ class Engine:
 
     @classmethod
     def from_plan(cls, config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
-                  plan: ExecutionPlan) -> "Engine":
+                  plan: ExecutionPlan, prefix_cache: bool = True,
+                  cache_namespace: str = "") -> "Engine":
         """An engine with every size, dtype and bucket the Execution Plan fixed."""
         return cls(config, params, tokenizer, page_size=plan.page_size,
                    num_pages=plan.num_pages, max_batch=plan.max_batch,
                    prefill_chunk=plan.prefill_chunk, max_context=plan.max_context,
                    attn_impl=plan.attn_impl, kv_dtype=jnp.dtype(plan.kv_dtype),
-                   buckets=plan.buckets)
+                   buckets=plan.buckets, prefix_cache=prefix_cache,
+                   cache_namespace=cache_namespace)
 
     # ------------------------------------------------------------ validation
 
-    def encode_prompt(self, prompt) -> list[int]:
+    def encode_prompt(self, prompt, bos: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer (no tokenizer.json); "
                                           "pass a list of token ids as the prompt")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=bos)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
@@ -174,6 +188,9 @@ class Engine:
         else:
             raise InvalidRequestError("a prompt is a string or a list of token ids; "
                                       f"got {type(prompt).__name__}")
+        return self.check_prompt(ids) if bos else ids
+
+    def check_prompt(self, ids: list[int]) -> list[int]:
         if not ids:
             raise InvalidRequestError("the prompt is empty; pass at least one token of text")
         if len(ids) >= self.max_context:
@@ -184,13 +201,20 @@ class Engine:
 
     # ------------------------------------------------------------ running
 
-    def run(self, prompts: list[list[int]], params: list[SamplingParams]
+    def run(self, prompts: list[list[int]], params: list[SamplingParams],
+            tiers: list[tuple[int, int]] | None = None
             ) -> Iterator[tuple[int, str, GenerationResult | None]]:
-        """Yield (request index, new text, result-or-None); a result marks the request done."""
+        """Yield (request index, new text, result-or-None); a result marks the request done.
+
+        `tiers` gives each prompt's (stable end, context end) token boundaries; the
+        stable tier is pinned in the prefix cache. Default: the whole prompt volatile.
+        """
+        tiers = tiers or [(0, 0)] * len(prompts)
         with self._lock:
             start = time.perf_counter()
-            waiting = deque(_Request(i, ids, p, self.pool, self.tokenizer, self.max_context, start)
-                            for i, (ids, p) in enumerate(zip(prompts, params)))
+            waiting = deque(_Request(i, ids, p, self.pool, self.tokenizer, self.max_context, start,
+                                     t)
+                            for i, (ids, p, t) in enumerate(zip(prompts, params, tiers)))
             usable = self.pool.num_pages - 1
             for r in waiting:  # refused before any work starts: nothing else is lost
                 if r.max_pages > usable:
@@ -235,22 +259,58 @@ class Engine:
         """Admit waiting requests whose worst-case pages fit beside the running ones'.
 
         Budgeting every request's prompt plus max_tokens up front means a running
-        sequence never runs out of pages mid-decode (there is no preemption).
+        sequence never runs out of pages mid-decode (there is no preemption). A
+        request first takes its cached prefix pages; only the rest is new.
         """
         admitted: list[_Request] = []
-        budget = self.pool.num_free - sum(r.max_pages - len(r.seq.pages) for r in active)
         while waiting and len(active) + len(admitted) < self.max_batch:
             req = waiting[0]
-            if req.max_pages > budget:
-                break  # wait for running sequences to finish and free pages
-            req.seq.reserve(len(req.prompt_ids))
-            budget -= req.max_pages
+            outstanding = sum(r.max_pages - len(r.seq.pages) for r in active + admitted)
+            self._take_cached_prefix(req)
+            shared_tail = bool(req.seq.length % self.pool.page_size)  # copied on write
+            if req.max_pages - len(req.seq.pages) + shared_tail > self.pool.num_available - outstanding:
+                req.seq.release()  # wait for running sequences to finish and free pages
+                req.cached_tokens = 0
+                break
+            copies = req.seq.reserve(len(req.prompt_ids))
+            if copies:
+                src, dst = zip(*copies)
+                self.kv = copy_pages(self.kv, jnp.array(src), jnp.array(dst))
             admitted.append(waiting.popleft())
         return admitted
+
+    def _take_cached_prefix(self, req: _Request) -> None:
+        """Share the longest cached run of the prompt's pages (at least one token is left
+        to prefill: its logits give the first sampled token)."""
+        if self.prefix_cache is None:
+            return
+        if req.stable_end:
+            self.prefix_cache.register_stable(req.prompt_ids[:req.stable_end])
+        pages, covered = self.prefix_cache.match(req.prompt_ids, len(req.prompt_ids) - 1)
+        req.seq.pages, req.seq.length, req.cached_tokens = pages, covered, covered
+
+    def _publish(self, req: _Request, finished: bool) -> None:
+        """Index what the request has written: its prompt once prefilled (with the stable
+        tier's partial last page when the prompt runs past that page), and at the end
+        every full page of prompt + generated tokens."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        ps = self.pool.page_size
+        if not finished:
+            boundary = req.stable_end if req.stable_end and (
+                len(req.prompt_ids) >= -(-req.stable_end // ps) * ps) else None
+            cache.publish(req.prompt_ids, req.seq.pages, partial_at=boundary)
+            return
+        written = req.prompt_ids + req.generated[:-1]  # the last token was never fed
+        cache.publish(written, req.seq.pages)
+        if self.pool.num_free < self.pool.num_pages // 4:  # tight: keep volatile pages out
+            cache.forget(req.seq.pages[max(req.context_end, req.stable_end) // ps + 1:])
 
     def _finish_done(self, reqs, pieces):
         for r, piece in zip(reqs, pieces):
             if r.finish_reason is not None:
+                self._publish(r, finished=True)
                 r.seq.release()
                 yield r.index, piece, r.result()
             elif piece:
@@ -294,7 +354,14 @@ class Engine:
             for j, (i, r) in enumerate(todo):
                 r.seq.length += int(num_new[j])
                 if r.prefilled == len(r.prompt_ids):
+                    self._publish(r, finished=False)
+                    self._count(r)
                     pieces[i] = r.accept(int(next_tokens[j]), now)
+
+    def _count(self, req: _Request) -> None:
+        if self.prefix_cache is not None:
+            bounds = (req.stable_end, max(req.context_end, req.stable_end), len(req.prompt_ids))
+            req.cache_metrics = self.prefix_cache.count(bounds, req.cached_tokens)
 
     def _dispatch_decode(self, reqs: list[_Request], feed=None):
         """Launch one decode step for every sequence; returns its device tokens unread.

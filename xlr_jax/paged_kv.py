@@ -106,7 +106,12 @@ copy_pages = jax.jit(_copy_pages, donate_argnums=0)
 
 
 class PagePool:
-    """Free list and refcounts of the device pages (page 0 is reserved)."""
+    """Free list and refcounts of the device pages (page 0 is reserved).
+
+    With a prefix cache attached (`cache`), a page whose refcount drops to 0
+    stays cached if the cache indexes it, and `allocate` evicts cached pages
+    (least recently used, never pinned ones) when the free list runs short.
+    """
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
@@ -115,12 +120,20 @@ class PagePool:
         self.page_size = page_size
         self.refcounts = np.zeros(num_pages, np.int32)
         self._free = deque(range(1, num_pages))
+        self.cache = None
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_available(self) -> int:
+        """Free pages plus cached ones that may be evicted."""
+        return len(self._free) + (self.cache.evictable if self.cache else 0)
+
     def allocate(self, n: int) -> list[int]:
+        if n > len(self._free) and self.cache:
+            self.cache.evict(n - len(self._free))
         if n > len(self._free):
             raise OutOfPagesError(
                 f"need {n} KV pages but only {len(self._free)} of {self.num_pages - 1} "
@@ -139,8 +152,17 @@ class PagePool:
         for p in pages:
             assert self.refcounts[p] > 0, f"page {p} freed twice"
             self.refcounts[p] -= 1
-            if self.refcounts[p] == 0:
+            if self.refcounts[p] == 0 and not (self.cache and self.cache.retain(p)):
                 self._free.append(p)
+
+    def release_to_free(self, page: int) -> None:
+        """A cached page at refcount 0 the cache lets go of."""
+        assert self.refcounts[page] == 0, f"page {page} is in use"
+        self._free.append(page)
+
+    def is_shared(self, page: int) -> bool:
+        """Writing the page would change what another reader sees: copy it first."""
+        return self.refcounts[page] > 1 or bool(self.cache and self.cache.holds(page))
 
 
 class SequencePages:
@@ -162,7 +184,7 @@ class SequencePages:
     def reserve(self, new_length: int) -> list[tuple[int, int]]:
         """Make room to write positions [length, new_length); returns COW copies (src, dst)."""
         size = self.pool.page_size
-        shared_tail = bool(self.length % size) and self.pool.refcounts[self.pages[-1]] > 1
+        shared_tail = bool(self.length % size) and self.pool.is_shared(self.pages[-1])
         needed = max(0, -(-new_length // size) - len(self.pages))
         fresh = self.pool.allocate(needed + shared_tail)  # all or nothing
         copies = []

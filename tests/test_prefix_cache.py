@@ -1,0 +1,213 @@
+"""The prefix cache: shared pages by content, LRU eviction, pinned stable tiers, counters, and
+greedy outputs identical with the cache on and off on the embedded model."""
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import xlr_jax
+from xlr_jax.paged_kv import PagePool, SequencePages
+from xlr_jax.prefix_cache import PrefixCache, chain_keys
+
+PS = 4
+
+
+def pool_with_cache(num_pages=12):
+    pool = PagePool(num_pages, PS)
+    return pool, PrefixCache(pool, "ns")
+
+
+def written(pool, tokens) -> SequencePages:
+    """A sequence that wrote `tokens` (pages reserved; the device write is not needed here)."""
+    seq = SequencePages(pool)
+    seq.reserve(len(tokens))
+    seq.length = len(tokens)
+    return seq
+
+
+def test_chain_keys_depend_on_the_whole_prefix():
+    a = chain_keys("ns", [1, 2, 3, 4, 5, 6, 7, 8, 9], PS)
+    b = chain_keys("ns", [0, 2, 3, 4, 5, 6, 7, 8], PS)
+    assert len(a) == 2 and len(b) == 2
+    assert a[0] != b[0] and a[1] != b[1]  # same second page, different parent
+    assert chain_keys("other", [1, 2, 3, 4], PS)[0] != a[0]  # namespaces keep models apart
+
+
+def test_match_shares_full_pages_and_leaves_one_token():
+    pool, cache = pool_with_cache()
+    tokens = list(range(10))
+    seq = written(pool, tokens)
+    cache.publish(tokens, seq.pages)
+    pages, covered = cache.match(tokens + [99], limit=len(tokens))
+    assert pages == seq.pages[:2] and covered == 8          # full pages only
+    assert all(pool.refcounts[p] == 2 for p in pages)
+    pages2, covered2 = cache.match(tokens[:8], limit=7)     # at least one token left to prefill
+    assert covered2 == 4 and pages2 == seq.pages[:1]
+    assert cache.match([5] + tokens[1:], limit=9) == ([], 0)  # differs in the first page
+
+
+def test_released_pages_stay_cached_then_evict_in_lru_order():
+    pool, cache = pool_with_cache(num_pages=7)              # 6 usable pages
+    a, b = list(range(8)), list(range(100, 108))
+    for tokens in (a, b):
+        seq = written(pool, tokens)
+        cache.publish(tokens, seq.pages)
+        seq.release()
+    assert pool.num_free == 2 and cache.evictable == 4 and pool.num_available == 6
+    taken, _ = cache.match(a, limit=8)                       # a is used again: now newest
+    for p in taken:
+        pool.decref([p])
+    fresh = pool.allocate(4)                                 # 2 free + the 2 oldest: b's
+    assert len(fresh) == 4
+    assert cache.match(b, limit=8) == ([], 0)
+    pages, covered = cache.match(a, limit=8)
+    assert covered == 8 and pages == taken
+
+
+def test_pinned_stable_tier_is_never_evicted_until_unregistered():
+    pool, cache = pool_with_cache(num_pages=6)              # 5 usable pages
+    stable = list(range(6))                                  # a page and a half
+    cache.register_stable(stable)
+    tokens = stable + [50, 51, 52, 53, 54, 55]               # three full pages
+    seq = written(pool, tokens)
+    cache.publish(tokens, seq.pages, partial_at=len(stable))
+    seq.release()
+    assert cache.pinned_pages == 2 and cache.evictable == 1
+    with pytest.raises(xlr_jax.OutOfPagesError):
+        pool.allocate(5)                                     # pinned pages are not taken
+    assert pool.allocate(3)                                  # the unpinned one is
+    pages, covered = cache.match(stable + [7, 7], limit=7)   # stable hits in full, mid-page
+    assert covered == 6 and len(pages) == 2
+    for p in pages:
+        pool.decref([p])
+    cache.unregister_stable(stable)
+    assert cache.pinned_pages == 0 and cache.evictable == 2
+    assert len(pool.allocate(2)) == 2
+    with pytest.raises(KeyError):
+        cache.unregister_stable(stable)
+
+
+def test_a_cached_partial_page_is_copied_before_writing():
+    pool, cache = pool_with_cache()
+    stable = list(range(6))
+    owner = written(pool, stable + [9, 9, 9])
+    cache.publish(stable + [9, 9, 9], owner.pages, partial_at=6)
+    owner.release()
+    seq = SequencePages(pool)
+    seq.pages, seq.length = cache.match(stable + [1, 2, 3], limit=8)
+    assert seq.length == 6 and pool.refcounts[seq.pages[-1]] == 1  # revived, sole user
+    shared = seq.pages[-1]
+    copies = seq.reserve(9)
+    assert copies == [(shared, seq.pages[1])] and seq.pages[1] != shared
+    assert cache.holds(shared) and pool.refcounts[shared] == 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["run", "pin", "unpin"]), st.integers(0, 3),
+                          st.integers(1, 14)), max_size=40))
+def test_random_traffic_keeps_the_pool_consistent(ops):
+    """Refcounts match the running sequences; free, cached and used pages partition the pool;
+    pinned pages are never evicted."""
+    pool, cache = pool_with_cache(num_pages=10)
+    prompts = [list(range(k * 50, k * 50 + 14)) for k in range(4)]
+    running: list[SequencePages] = []
+    for op, k, n in ops:
+        tokens = prompts[k][:n]
+        if op == "pin":
+            cache.register_stable(tokens)
+        elif op == "unpin" and tuple(tokens) in cache._tiers:
+            cache.unregister_stable(tokens)
+        else:
+            seq = SequencePages(pool)
+            seq.pages, seq.length = cache.match(tokens, limit=n - 1)
+            try:
+                seq.reserve(n)
+                seq.length = n
+                cache.publish(tokens, seq.pages)
+                running.append(seq)
+            except xlr_jax.OutOfPagesError:
+                seq.release()
+            if len(running) > 2:
+                running.pop(0).release()
+        used = {p for s in running for p in s.pages}
+        for p in range(1, pool.num_pages):
+            assert pool.refcounts[p] == sum(s.pages.count(p) for s in running)
+        free, cached = set(pool._free), set(cache._keys_of)
+        assert not free & used and not free & cached
+        assert len(free) + len(cached | used) == pool.num_pages - 1
+        # an idle cached page is either evictable or pinned by a registered tier
+        assert all(cache._pinned(p) for p in cached - used if p not in cache._lru)
+
+
+# ---------------------------------------------------------------- the embedded model
+
+SYSTEM = ("You are a careful assistant for a small research lab. Answer briefly, cite the "
+          "number you computed, and never invent data. ") * 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pc")
+    kw = dict(cache_dir=d, page_size=16, max_context=1024, max_batch=4)
+    return xlr_jax.load_model("smollm2", **kw), xlr_jax.load_model("smollm2", prefix_cache=False, **kw)
+
+
+def test_multi_turn_chat_identical_with_cache_on_and_off(models):
+    cached, plain = models
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 7*6?"}]
+    for turn in range(4):
+        a, b = cached.chat(msgs, max_tokens=10), plain.chat(msgs, max_tokens=10)
+        assert a.token_ids == b.token_ids, turn
+        m = a.metrics
+        assert m["prefilled_tokens"] + m["cached_tokens"] == m["prompt_tokens"]
+        assert b.metrics["cached_tokens"] == 0
+        if turn:
+            assert m["stable_cached_tokens"] == m["stable_tokens"] > 0  # 100% from turn 2
+            assert m["cached_tokens"] > m["stable_tokens"]               # history hits too
+        msgs += [{"role": "assistant", "content": a.text},
+                 {"role": "user", "content": f"And {turn + 2}*3?"}]
+    assert m["stable_tokens"] % 16 != 0  # the stable tier ends mid-page, and still hit in full
+    stats = cached.prefix_cache.stats()
+    assert stats["requests"] == 4 and stats["stable_hit_rate"] == pytest.approx(3 / 4)
+    assert stats["pages_pinned"] >= m["stable_tokens"] // 16 and stats["stable_tiers"] == 1
+    assert plain.prefix_cache is None
+
+
+def test_concurrent_sequences_share_a_cached_prefix(models):
+    cached, plain = models
+    prompts = [{"stable": SYSTEM, "volatile": f" Question {q}: what is {q} plus {q}?"}
+               for q in (3, 11)]
+    cached.generate(prompts[0], max_tokens=2)  # publishes the stable tier
+    both = cached.generate(prompts, max_tokens=12)
+    ref = plain.generate(prompts, max_tokens=12)
+    assert [r.token_ids for r in both] == [r.token_ids for r in ref]
+    stable = both[0].metrics["stable_tokens"]
+    assert all(r.metrics["stable_cached_tokens"] == stable for r in both)
+    with pytest.raises(xlr_jax.InvalidRequestError, match="unknown prompt tier"):
+        cached.generate({"stabel": "x"})
+
+
+def test_tight_pool_evicts_cache_instead_of_failing(tmp_path):
+    """Room for about two sequences: cached pages make way, outputs stay the same."""
+    model = xlr_jax.load_model("smollm2", cache_dir=tmp_path, page_size=16, max_context=256,
+                               num_pages=14, max_batch=2)
+    prompts = [f"Story {i}: once upon a time a robot named R{i} " * 3 for i in range(5)]
+    first = [model.generate(p, max_tokens=8, ignore_eos=True).token_ids for p in prompts]
+    again = [model.generate(p, max_tokens=8, ignore_eos=True).token_ids for p in prompts]
+    assert first == again
+    stats = model.prefix_cache.stats()
+    assert stats["pages_free"] + stats["pages_evictable"] == 13
+    assert stats["pages_cached"] < 5 * 3  # not everything could stay
+
+
+def test_cli_switch_turns_the_cache_off(tmp_path):
+    import subprocess
+    import sys
+    args = [sys.executable, "-m", "xlr_jax.cli", "generate", "--json", "--max-tokens", "4",
+            "--cache-dir", str(tmp_path), "Hello there"]
+    on = json.loads(subprocess.run(args, capture_output=True, text=True, timeout=600).stdout)
+    off = json.loads(subprocess.run(args[:4] + ["--no-prefix-cache"] + args[4:],
+                                    capture_output=True, text=True, timeout=600).stdout)
+    assert on["token_ids"] == off["token_ids"] and "cached_tokens" in off["metrics"]

@@ -1,0 +1,216 @@
+"""The prefix cache: KV pages indexed by the tokens they hold, shared by refcount.
+
+Keys form a hash chain: a page's key hashes its parent's key, the namespace
+(model, dtype, page size) and the page's token ids, so equal keys mean equal
+prefixes. Full pages are indexed as sequences finish their prompts; a
+stable tier's last, partial page is indexed too (a sharer copies it before
+writing: copy-on-write), so a tier that ends mid-page still hits in full.
+
+A cached page is never written. While sequences use it its refcount holds
+it; at refcount 0 it stays cached in LRU order until the pool needs pages.
+Pages of a registered stable tier are pinned: never evicted while the tier
+is registered.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+TIERS = ("stable", "context", "volatile")
+
+
+def _key(parent: bytes, run) -> bytes:
+    return hashlib.sha256(parent + b"|" + np.asarray(run, np.int64).tobytes()).digest()
+
+
+def chain_keys(namespace: str, tokens, page_size: int) -> list[bytes]:
+    """The key of each full page of `tokens`: hash of the parent's key and the page's ids."""
+    keys, parent = [], namespace.encode()
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        parent = _key(parent, tokens[start:start + page_size])
+        keys.append(parent)
+    return keys
+
+
+def partial_key(namespace: str, full_keys: list[bytes], tokens, end: int,
+                page_size: int) -> tuple[bytes, bytes]:
+    """(parent key, key) of the partial page holding tokens[end // page_size * ps : end]."""
+    page = end // page_size
+    parent = full_keys[page - 1] if page else namespace.encode()
+    return parent, _key(parent, tokens[page * page_size:end])
+
+
+@dataclass
+class TierCount:
+    tokens: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.tokens if self.tokens else None
+
+
+class PrefixCache:
+    def __init__(self, pool, namespace: str):
+        self.pool, self.namespace = pool, namespace
+        self.page_size = pool.page_size
+        self._page_of: dict[bytes, int] = {}
+        self._keys_of: dict[int, list[bytes]] = {}  # a page may hold a full and a partial key
+        self._partials: dict[bytes, tuple[bytes, int]] = {}  # key -> (parent key, tokens)
+        self._lru: OrderedDict[int, None] = OrderedDict()  # refcount-0 pages, oldest first
+        self._pinned_keys: Counter[bytes] = Counter()
+        self._tiers: set[tuple] = set()              # registered stable tiers (token tuples)
+        self.tiers = {t: TierCount() for t in TIERS}
+        self.requests = 0
+        pool.cache = self
+
+    # ---- lookups
+    def match(self, tokens, limit: int) -> tuple[list[int], int]:
+        """Take (refcount +1) the longest cached run of `tokens`' pages covering at most
+        `limit` tokens; returns (pages, tokens covered). The last page may be partial."""
+        pages, covered, parent = [], 0, self.namespace.encode()
+        ps = self.page_size
+        while covered + ps <= limit:
+            key = _key(parent, tokens[covered:covered + ps])
+            if key not in self._page_of:
+                break
+            pages.append(self._page_of[key])
+            covered, parent = covered + ps, key
+        for key, (owner, n) in self._partials.items():  # one per stable tier: a short scan
+            if owner == parent and covered + n <= limit and \
+                    key == _key(parent, tokens[covered:covered + n]):
+                pages.append(self._page_of[key])
+                covered += n
+                break
+        for page in pages:
+            if self.pool.refcounts[page] == 0:  # revived from the LRU
+                self._lru.pop(page, None)
+                self.pool.refcounts[page] = 1
+            else:
+                self.pool.incref([page])
+        return pages, covered
+
+    def holds(self, page: int) -> bool:
+        return page in self._keys_of
+
+    # ---- publishing
+    def publish(self, tokens, pages: list[int], partial_at: int | None = None) -> None:
+        """Index the pages holding `tokens` (a sequence's written prefix): every full page,
+        and the partial page ending at `partial_at` (a tier boundary), if any."""
+        keys = chain_keys(self.namespace, tokens, self.page_size)
+        for key, page in zip(keys, pages):
+            self._index(key, page)
+        if partial_at and partial_at % self.page_size:
+            parent, key = partial_key(self.namespace, keys, tokens, partial_at, self.page_size)
+            if self._index(key, pages[partial_at // self.page_size]):
+                self._partials[key] = (parent, partial_at % self.page_size)
+
+    def _index(self, key: bytes, page: int) -> bool:
+        if key in self._page_of:
+            return False  # already cached (maybe on another page): keep the first
+        self._page_of[key] = page
+        self._keys_of.setdefault(page, []).append(key)
+        return True
+
+    def _unindex(self, page: int) -> None:
+        for key in self._keys_of.pop(page):
+            del self._page_of[key]
+            self._partials.pop(key, None)
+
+    def _pinned(self, page: int) -> bool:
+        return any(self._pinned_keys[k] for k in self._keys_of.get(page, ()))
+
+    def retain(self, page: int) -> bool:
+        """The pool asks before freeing a page at refcount 0: keep it cached if indexed."""
+        if page not in self._keys_of:
+            return False
+        if not self._pinned(page):
+            self._lru[page] = None
+        return True
+
+    def forget(self, pages) -> None:
+        """Drop pages from the index (e.g. volatile pages under memory pressure); one
+        cached at refcount 0 goes back to the free list."""
+        for page in pages:
+            if page in self._keys_of and not self._pinned(page):
+                self._unindex(page)
+                if self._lru.pop(page, 0) is None:
+                    self.pool.release_to_free(page)
+
+    # ---- eviction and pinning
+    @property
+    def evictable(self) -> int:
+        return len(self._lru)
+
+    def evict(self, n: int) -> int:
+        """Free up to n unpinned refcount-0 pages, least recently used first."""
+        freed = 0
+        while freed < n and self._lru:
+            page, _ = self._lru.popitem(last=False)
+            self._unindex(page)
+            self.pool.release_to_free(page)
+            freed += 1
+        return freed
+
+    def register_stable(self, tokens) -> None:
+        """Pin the stable tier `tokens`: its pages are never evicted until unregistered."""
+        tokens = tuple(int(t) for t in tokens)
+        if tokens in self._tiers:
+            return
+        self._tiers.add(tokens)
+        for key in self._tier_keys(tokens):
+            self._pinned_keys[key] += 1
+            if key in self._page_of:
+                self._lru.pop(self._page_of[key], None)
+
+    def unregister_stable(self, tokens) -> None:
+        """Unpin a stable tier: its pages become ordinary cached pages (LRU)."""
+        tokens = tuple(int(t) for t in tokens)
+        if tokens not in self._tiers:
+            raise KeyError("this stable tier is not registered")
+        self._tiers.remove(tokens)
+        for key in self._tier_keys(tokens):
+            self._pinned_keys[key] -= 1
+            if not self._pinned_keys[key]:
+                del self._pinned_keys[key]
+            page = self._page_of.get(key)
+            if page is not None and self.pool.refcounts[page] == 0 and not self._pinned(page):
+                self._lru[page] = None
+
+    def _tier_keys(self, tokens) -> list[bytes]:
+        keys = chain_keys(self.namespace, tokens, self.page_size)
+        if len(tokens) % self.page_size:
+            keys.append(partial_key(self.namespace, keys, tokens, len(tokens), self.page_size)[1])
+        return keys
+
+    @property
+    def pinned_pages(self) -> int:
+        return sum(1 for page in self._keys_of if self._pinned(page))
+
+    # ---- counters
+    def count(self, bounds: tuple[int, int, int], cached: int) -> dict:
+        """Record one request's tier sizes (stable end, context end, prompt end) and the
+        tokens served from cache; returns its per-tier hits."""
+        self.requests += 1
+        out, start = {}, 0
+        for tier, end in zip(TIERS, bounds):
+            hits = max(0, min(cached, end) - start)
+            self.tiers[tier].tokens += end - start
+            self.tiers[tier].hits += hits
+            out[f"{tier}_tokens"], out[f"{tier}_cached_tokens"] = end - start, hits
+            start = end
+        return out
+
+    def stats(self) -> dict:
+        return {
+            "requests": self.requests,
+            **{f"{t}_hit_rate": c.hit_rate for t, c in self.tiers.items()},
+            **{f"{t}_tokens": c.tokens for t, c in self.tiers.items()},
+            **{f"{t}_cached_tokens": c.hits for t, c in self.tiers.items()},
+            "pages_pinned": self.pinned_pages, "pages_cached": len(self._keys_of),
+            "pages_evictable": self.evictable, "pages_free": self.pool.num_free,
+            "stable_tiers": len(self._tiers),
+        }
