@@ -211,3 +211,61 @@ def test_cli_switch_turns_the_cache_off(tmp_path):
     off = json.loads(subprocess.run(args[:4] + ["--no-prefix-cache"] + args[4:],
                                     capture_output=True, text=True, timeout=600).stdout)
     assert on["token_ids"] == off["token_ids"] and "cached_tokens" in off["metrics"]
+
+
+# ---------------------------------------------------------------- persistence and warm start
+
+RUN = """
+import json, logging, sys, xlr_jax
+logging.basicConfig(level=logging.WARNING)
+cache_dir, switch, stable = sys.argv[1:4]
+m = xlr_jax.load_model(cache_dir=cache_dir, page_size=16, max_context=512,
+                       prefix_cache=switch == "on")
+r = m.generate({"stable": stable, "volatile": " Q: the capital of France? A:"}, max_tokens=8)
+store = m.engine.tier_store
+if store:
+    store.flush()
+print(json.dumps({"ids": r.token_ids, "cached": r.metrics["cached_tokens"],
+                  "stable": r.metrics["stable_tokens"],
+                  "loaded": store.loaded if store else 0,
+                  "rejected": store.rejected if store else 0}))
+"""
+STABLE_A = "You are a careful assistant. Answer in one word. " * 12
+STABLE_B = "You are a terse geography tutor. Reply with a city. " * 12
+
+
+def run_process(cache_dir, switch, stable):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", RUN, str(cache_dir), switch, stable],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def test_stable_tier_survives_a_restart_and_bad_files_are_recomputed(tmp_path):
+    ref, _ = run_process(tmp_path, "off", STABLE_A)
+    cold, _ = run_process(tmp_path, "on", STABLE_A)
+    assert cold["ids"] == ref["ids"] and cold["cached"] == 0
+    files = list((tmp_path / "prefix").glob("*.safetensors"))
+    assert len(files) == 1 and not list((tmp_path / "prefix").glob("*.tmp*"))
+    warm, _ = run_process(tmp_path, "on", STABLE_A)  # a new process: no prefill of the tier
+    assert warm["ids"] == ref["ids"] and warm["loaded"] == 1
+    assert warm["cached"] == warm["stable"] > 16 and warm["stable"] % 16  # mid-page, in full
+
+    good = files[0].read_bytes()
+    garbled = bytearray(good)
+    garbled[len(good) // 2] ^= 0xFF
+    for damage in (good[:len(good) // 3], bytes(garbled)):
+        files[0].write_bytes(damage)
+        out, log = run_process(tmp_path, "on", STABLE_A)
+        assert out["ids"] == ref["ids"] and out["rejected"] == 1 and out["cached"] == 0
+        assert "ignoring stable-tier snapshot" in log
+        assert files[0].read_bytes() != damage  # recomputed and written again
+
+    ref_b, _ = run_process(tmp_path, "off", STABLE_B)
+    run_process(tmp_path, "on", STABLE_B)
+    (file_b,) = set((tmp_path / "prefix").glob("*.safetensors")) - set(files)
+    file_b.write_bytes(good)  # tier A's (valid) snapshot under tier B's name
+    out, log = run_process(tmp_path, "on", STABLE_B)
+    assert out["ids"] == ref_b["ids"] and out["rejected"] == 1 and "another model or tier" in log

@@ -17,6 +17,7 @@ from xlr_jax.model import params_from_arrays
 from xlr_jax.prefix_cache import TIERS
 from xlr_jax.registry import default_cache_dir, resolve_model
 from xlr_jax.sampling import SamplingParams
+from xlr_jax.tier_store import TierStore
 from xlr_jax.tokenizer import Tokenizer
 from xlr_jax.weights import load_weights, read_config
 
@@ -39,8 +40,9 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
     kv_dtype: KV page dtype (default: dtype); "int8" or "fp8" store quantized
     pages with per-token-per-head scales.
     prefix_cache: share the KV of repeated prompt prefixes (False: off, for ablations).
-    cache_dir: where converted params (and, with compile_cache, XLA executables)
-    are cached (default ~/.cache/xlr-jax); a second process skips both.
+    cache_dir: where converted params, stable-tier KV (prefix/) and, with
+    compile_cache, XLA executables are kept (default ~/.cache/xlr-jax); a second
+    process skips the conversion, the stable tiers' prefill and the compiles.
     """
     for name, value in (("page_size", page_size), ("num_pages", num_pages),
                         ("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
@@ -68,7 +70,8 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
     namespace = (f"{loaded.source_hash}-{execution.compute_dtype}-{execution.kv_dtype}"
                  f"-{execution.page_size}")
     engine = Engine.from_plan(loaded.config, params, tokenizer, execution,
-                              prefix_cache=prefix_cache, cache_namespace=namespace)
+                              prefix_cache=prefix_cache, cache_namespace=namespace,
+                              tier_store=TierStore(cache_root / "prefix", namespace))
     load_info = {"load_s": loaded.load_s, "params_from_cache": loaded.from_cache,
                  "source": str(loaded.source), "source_hash": loaded.source_hash}
     return Model(engine, execution, load_info=load_info)

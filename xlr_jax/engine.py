@@ -26,8 +26,10 @@ from xlr_jax.config import ModelConfig
 from xlr_jax.errors import InvalidRequestError, PromptTooLongError
 from xlr_jax.mapper import ExecutionPlan, page_width_buckets, powers_of_two_upto
 from xlr_jax.model import Params
-from xlr_jax.paged_kv import PagedKV, PagePool, SequencePages, copy_pages
-from xlr_jax.prefix_cache import PrefixCache
+from xlr_jax.paged_kv import (PagedKV, PagePool, SequencePages, copy_pages, read_pages,
+                              write_pages)
+from xlr_jax.prefix_cache import PrefixCache, tier_counts
+from xlr_jax.tier_store import TierStore
 from xlr_jax.sampling import SamplingBatch, SamplingParams
 from xlr_jax.steps import Buckets, Steps, pick_bucket
 from xlr_jax.tokenizer import Tokenizer
@@ -141,13 +143,15 @@ class Engine:
                  page_size: int, num_pages: int, max_batch: int, prefill_chunk: int,
                  max_context: int, attn_impl: str = "auto", kv_dtype=jnp.float32,
                  buckets: Buckets | None = None, prefix_cache: bool = True,
-                 cache_namespace: str = ""):
+                 cache_namespace: str = "", tier_store: TierStore | None = None):
         self.config, self.params, self.tokenizer = config, params.per_layer(), tokenizer
         self.max_context = max_context
         self.max_batch = max_batch
         self.pool = PagePool(num_pages, page_size)
         # full prompt pages shared across requests; the namespace keeps models apart
         self.prefix_cache = PrefixCache(self.pool, cache_namespace) if prefix_cache else None
+        self.tier_store = tier_store if prefix_cache else None  # stable tiers on disk
+        self._persisted: set[tuple] = set()
         self.kv = PagedKV.create(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
                                  head_dim=config.head_dim, num_pages=num_pages,
                                  page_size=page_size, dtype=kv_dtype)
@@ -162,14 +166,14 @@ class Engine:
     @classmethod
     def from_plan(cls, config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
                   plan: ExecutionPlan, prefix_cache: bool = True,
-                  cache_namespace: str = "") -> "Engine":
+                  cache_namespace: str = "", tier_store: TierStore | None = None) -> "Engine":
         """An engine with every size, dtype and bucket the Execution Plan fixed."""
         return cls(config, params, tokenizer, page_size=plan.page_size,
                    num_pages=plan.num_pages, max_batch=plan.max_batch,
                    prefill_chunk=plan.prefill_chunk, max_context=plan.max_context,
                    attn_impl=plan.attn_impl, kv_dtype=jnp.dtype(plan.kv_dtype),
                    buckets=plan.buckets, prefix_cache=prefix_cache,
-                   cache_namespace=cache_namespace)
+                   cache_namespace=cache_namespace, tier_store=tier_store)
 
     # ------------------------------------------------------------ validation
 
@@ -285,9 +289,36 @@ class Engine:
         if self.prefix_cache is None:
             return
         if req.stable_end:
-            self.prefix_cache.register_stable(req.prompt_ids[:req.stable_end])
+            stable = req.prompt_ids[:req.stable_end]
+            self.prefix_cache.register_stable(stable)
+            if self.tier_store and self.prefix_cache.match(stable, len(stable), take=False)[1] \
+                    < len(stable):
+                self._restore_tier(stable)
         pages, covered = self.prefix_cache.match(req.prompt_ids, len(req.prompt_ids) - 1)
         req.seq.pages, req.seq.length, req.cached_tokens = pages, covered, covered
+
+    def _restore_tier(self, stable: list[int]) -> None:
+        """Load a stable tier's pages saved by an earlier process into the pool (pinned)."""
+        n = -(-len(stable) // self.pool.page_size)
+        leaves = {name: x for name, x in vars(self.kv).items() if x is not None}
+        expect = {name: (x.dtype, (x.shape[0], n, *x.shape[2:])) for name, x in leaves.items()}
+        arrays = self.tier_store.load(stable, expect)
+        if arrays is None or self.pool.num_available < n:
+            return
+        pages = self.pool.allocate(n)
+        self.kv = write_pages(self.kv, jnp.asarray(pages, jnp.int32), arrays)
+        self.prefix_cache.publish(stable, pages, partial_at=len(stable))
+        self.pool.decref(pages)  # cached and pinned: the tier is registered
+        self._persisted.add(tuple(stable))
+
+    def _persist_tier(self, req: _Request) -> None:
+        """Snapshot a freshly prefilled stable tier to disk, off the decode loop's path."""
+        stable = tuple(req.prompt_ids[:req.stable_end])
+        if not self.tier_store or not stable or stable in self._persisted:
+            return
+        self._persisted.add(stable)
+        n = -(-len(stable) // self.pool.page_size)
+        self.tier_store.save_async(stable, read_pages(self.kv, req.seq.pages[:n]))
 
     def _publish(self, req: _Request, finished: bool) -> None:
         """Index what the request has written: its prompt once prefilled (with the stable
@@ -355,13 +386,15 @@ class Engine:
                 r.seq.length += int(num_new[j])
                 if r.prefilled == len(r.prompt_ids):
                     self._publish(r, finished=False)
+                    self._persist_tier(r)
                     self._count(r)
                     pieces[i] = r.accept(int(next_tokens[j]), now)
 
     def _count(self, req: _Request) -> None:
+        bounds = (req.stable_end, max(req.context_end, req.stable_end), len(req.prompt_ids))
+        req.cache_metrics = tier_counts(bounds, req.cached_tokens)
         if self.prefix_cache is not None:
-            bounds = (req.stable_end, max(req.context_end, req.stable_end), len(req.prompt_ids))
-            req.cache_metrics = self.prefix_cache.count(bounds, req.cached_tokens)
+            self.prefix_cache.record(req.cache_metrics)
 
     def _dispatch_decode(self, reqs: list[_Request], feed=None):
         """Launch one decode step for every sequence; returns its device tokens unread.

@@ -105,6 +105,25 @@ def _copy_pages(kv: PagedKV, src, dst) -> PagedKV:
 copy_pages = jax.jit(_copy_pages, donate_argnums=0)
 
 
+def read_pages(kv: PagedKV, ids) -> dict:
+    """Every leaf's pages `ids` ({"k": [layers, n, ...], ...}); dispatched, not waited for."""
+    ids = jnp.asarray(ids, jnp.int32)
+    return {name: leaf[:, ids] for name, leaf in _leaves(kv).items()}
+
+
+def _write_pages(kv: PagedKV, ids, pages: dict) -> PagedKV:
+    return kv.replace(**{name: getattr(kv, name).at[:, ids].set(pages[name])
+                         for name in _leaves(kv)})
+
+
+write_pages = jax.jit(_write_pages, donate_argnums=0)
+
+
+def _leaves(kv: PagedKV) -> dict:
+    names = ("k", "v", "k_scale", "v_scale")
+    return {n: getattr(kv, n) for n in names if getattr(kv, n) is not None}
+
+
 class PagePool:
     """Free list and refcounts of the device pages (page 0 is reserved).
 

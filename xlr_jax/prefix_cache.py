@@ -43,6 +43,17 @@ def partial_key(namespace: str, full_keys: list[bytes], tokens, end: int,
     return parent, _key(parent, tokens[page * page_size:end])
 
 
+def tier_counts(bounds: tuple[int, int, int], cached: int) -> dict:
+    """Per-tier prompt tokens and tokens served from cache, for tier ends `bounds`
+    (stable, context, prompt) and the `cached` leading tokens."""
+    out, start = {}, 0
+    for tier, end in zip(TIERS, bounds):
+        out[f"{tier}_tokens"] = end - start
+        out[f"{tier}_cached_tokens"] = max(0, min(cached, end) - start)
+        start = end
+    return out
+
+
 @dataclass
 class TierCount:
     tokens: int = 0
@@ -68,9 +79,10 @@ class PrefixCache:
         pool.cache = self
 
     # ---- lookups
-    def match(self, tokens, limit: int) -> tuple[list[int], int]:
+    def match(self, tokens, limit: int, take: bool = True) -> tuple[list[int], int]:
         """Take (refcount +1) the longest cached run of `tokens`' pages covering at most
-        `limit` tokens; returns (pages, tokens covered). The last page may be partial."""
+        `limit` tokens; returns (pages, tokens covered). The last page may be partial.
+        `take=False` only looks."""
         pages, covered, parent = [], 0, self.namespace.encode()
         ps = self.page_size
         while covered + ps <= limit:
@@ -85,7 +97,7 @@ class PrefixCache:
                 pages.append(self._page_of[key])
                 covered += n
                 break
-        for page in pages:
+        for page in pages if take else ():
             if self.pool.refcounts[page] == 0:  # revived from the LRU
                 self._lru.pop(page, None)
                 self.pool.refcounts[page] = 1
@@ -191,18 +203,12 @@ class PrefixCache:
         return sum(1 for page in self._keys_of if self._pinned(page))
 
     # ---- counters
-    def count(self, bounds: tuple[int, int, int], cached: int) -> dict:
-        """Record one request's tier sizes (stable end, context end, prompt end) and the
-        tokens served from cache; returns its per-tier hits."""
+    def record(self, counts: dict) -> None:
+        """Add one request's `tier_counts` to the totals."""
         self.requests += 1
-        out, start = {}, 0
-        for tier, end in zip(TIERS, bounds):
-            hits = max(0, min(cached, end) - start)
-            self.tiers[tier].tokens += end - start
-            self.tiers[tier].hits += hits
-            out[f"{tier}_tokens"], out[f"{tier}_cached_tokens"] = end - start, hits
-            start = end
-        return out
+        for tier in TIERS:
+            self.tiers[tier].tokens += counts[f"{tier}_tokens"]
+            self.tiers[tier].hits += counts[f"{tier}_cached_tokens"]
 
     def stats(self) -> dict:
         return {
