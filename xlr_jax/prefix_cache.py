@@ -192,6 +192,10 @@ class PrefixCache:
             if page is not None and self.pool.refcounts[page] == 0 and not self._pinned(page):
                 self._lru[page] = None
 
+    def registered(self) -> list[tuple]:
+        """The registered stable tiers' token ids."""
+        return list(self._tiers)
+
     def _tier_keys(self, tokens) -> list[bytes]:
         keys = chain_keys(self.namespace, tokens, self.page_size)
         if len(tokens) % self.page_size:
