@@ -269,3 +269,17 @@ def test_stable_tier_survives_a_restart_and_bad_files_are_recomputed(tmp_path):
     file_b.write_bytes(good)  # tier A's (valid) snapshot under tier B's name
     out, log = run_process(tmp_path, "on", STABLE_B)
     assert out["ids"] == ref_b["ids"] and out["rejected"] == 1 and "another model or tier" in log
+
+
+@pytest.mark.parametrize("num_pages,volatile_cached", [(8, False), (40, True)])
+def test_volatile_pages_leave_the_cache_when_memory_is_tight(tmp_path, num_pages,
+                                                            volatile_cached):
+    model = xlr_jax.load_model("smollm2", cache_dir=tmp_path, page_size=16, max_context=128,
+                               num_pages=num_pages, max_batch=1)
+    prompt = {"stable": "Rules: be brief, be kind, cite sources, never guess. " * 3,
+              "volatile": " Tell me about the history of the printing press in Europe."}
+    r = model.generate(prompt, max_tokens=8, ignore_eos=True)
+    written = r.metrics["prompt_tokens"] + 7
+    stable_pages = -(-r.metrics["stable_tokens"] // 16)  # its last page holds volatile too
+    cached = model.prefix_cache.stats()["pages_cached"]
+    assert cached == (written // 16 if volatile_cached else stable_pages)
