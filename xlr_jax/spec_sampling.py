@@ -1,0 +1,44 @@
+"""Exact speculative sampling (Leviathan et al. 2022; Chen et al. 2023) as a pure function.
+
+The draft proposed `gamma` tokens d_1..d_gamma with probabilities q_i(.) and the
+target scored gamma + 1 positions, p_1..p_{gamma+1}, in one forward. Token d_i
+is accepted with probability min(1, p_i(d_i) / q_i(d_i)), left to right; at the
+first rejection the replacement is drawn from normalize(max(0, p_i - q_i)); if
+all are accepted a bonus token is drawn from p_{gamma+1}. The emitted tokens
+are then distributed exactly as the target's own samples. A point-mass draft
+(n-gram lookup) is q = one-hot. With greedy (one-hot) p the result is exactly
+the target's greedy tokens.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def accept_block(key, draft_tokens, q_probs, p_probs):
+    """Accept/reject one speculative block per sequence.
+
+    draft_tokens [B, gamma] int; q_probs [B, gamma, V]; p_probs [B, gamma + 1, V].
+    Returns (accepted [B]: draft tokens kept, 0..gamma; next_token [B]: the token
+    after them, a resample at the first rejection or the bonus token). The sequence
+    advances by accepted + 1 tokens; the KV of rejected positions is dropped by the
+    caller (trimming lengths, not copying).
+    """
+    batch, gamma = draft_tokens.shape
+    k_accept, k_next = jax.random.split(key)
+    p_d = jnp.take_along_axis(p_probs[:, :gamma], draft_tokens[..., None], -1)[..., 0]
+    q_d = jnp.take_along_axis(q_probs, draft_tokens[..., None], -1)[..., 0]
+    u = jax.random.uniform(k_accept, (batch, gamma))
+    ok = u * q_d < p_d  # u < p/q without dividing (q > 0 wherever the draft sampled)
+    accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+    # the distribution of the token after the accepted run
+    at = jnp.minimum(accepted, gamma - 1)
+    p_at = jnp.take_along_axis(p_probs, accepted[:, None, None], 1)[:, 0]
+    q_at = jnp.take_along_axis(q_probs, at[:, None, None], 1)[:, 0]
+    residual = jnp.maximum(p_at - q_at, 0.0)
+    all_in = (accepted == gamma)[:, None]
+    # a residual that is all zero (p == q) cannot happen after a rejection, but guard it
+    residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_at)
+    dist = jnp.where(all_in, p_at, residual)
+    next_token = jax.random.categorical(k_next, jnp.log(dist + 1e-38), axis=-1)
+    return accepted, next_token.astype(jnp.int32)
