@@ -26,8 +26,8 @@ from xlr_jax.config import ModelConfig
 from xlr_jax.errors import InvalidRequestError, PromptTooLongError
 from xlr_jax.mapper import ExecutionPlan, page_width_buckets, powers_of_two_upto
 from xlr_jax.model import Params
-from xlr_jax.paged_kv import (PagedKV, PagePool, SequencePages, copy_pages, read_pages,
-                              write_pages)
+from xlr_jax.paged_kv import (PagedKV, PagePool, SequencePages, copy_pages, leaves,
+                              read_pages, write_pages)
 from xlr_jax.prefix_cache import PrefixCache, tier_counts
 from xlr_jax.tier_store import TierStore
 from xlr_jax.sampling import SamplingBatch, SamplingParams
@@ -300,8 +300,8 @@ class Engine:
     def _restore_tier(self, stable: list[int]) -> None:
         """Load a stable tier's pages saved by an earlier process into the pool (pinned)."""
         n = -(-len(stable) // self.pool.page_size)
-        leaves = {name: x for name, x in vars(self.kv).items() if x is not None}
-        expect = {name: (x.dtype, (x.shape[0], n, *x.shape[2:])) for name, x in leaves.items()}
+        expect = {name: (x.dtype, (x.shape[0], n, *x.shape[2:]))
+                  for name, x in leaves(self.kv).items()}
         arrays = self.tier_store.load(stable, expect)
         if arrays is None or self.pool.num_available < n:
             return

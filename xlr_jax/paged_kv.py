@@ -70,11 +70,6 @@ class PagedKV:
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), *scales)
 
     @property
-    def scales(self):
-        """(k_scale, v_scale) for `paged_attention`'s kv_scales, or None."""
-        return None if self.k_scale is None else (self.k_scale, self.v_scale)
-
-    @property
     def page_size(self) -> int:
         return self.k.shape[3]
 
@@ -108,18 +103,19 @@ copy_pages = jax.jit(_copy_pages, donate_argnums=0)
 def read_pages(kv: PagedKV, ids) -> dict:
     """Every leaf's pages `ids` ({"k": [layers, n, ...], ...}); dispatched, not waited for."""
     ids = jnp.asarray(ids, jnp.int32)
-    return {name: leaf[:, ids] for name, leaf in _leaves(kv).items()}
+    return {name: leaf[:, ids] for name, leaf in leaves(kv).items()}
 
 
 def _write_pages(kv: PagedKV, ids, pages: dict) -> PagedKV:
     return kv.replace(**{name: getattr(kv, name).at[:, ids].set(pages[name])
-                         for name in _leaves(kv)})
+                         for name in leaves(kv)})
 
 
 write_pages = jax.jit(_write_pages, donate_argnums=0)
 
 
-def _leaves(kv: PagedKV) -> dict:
+def leaves(kv: PagedKV) -> dict:
+    """The pytree's arrays by name, quantization scales included when present."""
     names = ("k", "v", "k_scale", "v_scale")
     return {n: getattr(kv, n) for n in names if getattr(kv, n) is not None}
 

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 log = logging.getLogger(__name__)
-LEAVES = ("k", "v", "k_scale", "v_scale")
 
 
 def tier_digest(namespace: str, tokens) -> str:
