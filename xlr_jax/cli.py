@@ -126,7 +126,8 @@ def cmd_info(args) -> int:
     for key, value in info.items():
         print(f"{key:>16}: {value:,}" if isinstance(value, int) and not isinstance(value, bool)
               else f"{key:>16}: {value}")
-    print("            plan:")
+    print("            plan:   (why each choice: xlr plan)")
+    plan.pop("reasons")
     for key, value in plan.items():
         print(f"{key:>20}: {value}")
     print(f"{'load_s':>16}: {load['load_s']:.2f} (params from "
