@@ -43,8 +43,7 @@ class XlrRunner:
         # An untied embedding is only gathered (one row per token); the LM head is read whole.
         self.weight_bytes_per_token = params.nbytes() - (
             0 if params.lm_head is None else params.embed.nbytes)
-        self.kv_bytes_per_position = (c.num_layers * 2 * c.num_kv_heads * c.head_dim
-                                      * engine.kv.k.dtype.itemsize)
+        self.kv_bytes_per_position = c.kv_values_per_token() * engine.kv.k.dtype.itemsize
 
     def encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)

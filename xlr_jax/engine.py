@@ -276,12 +276,15 @@ class Engine:
                 req.seq.release()  # wait for running sequences to finish and free pages
                 req.cached_tokens = 0
                 break
-            copies = req.seq.reserve(len(req.prompt_ids))
-            if copies:
-                src, dst = zip(*copies)
-                self.kv = copy_pages(self.kv, jnp.array(src), jnp.array(dst))
+            self._apply_copies(req.seq.reserve(len(req.prompt_ids)))
             admitted.append(waiting.popleft())
         return admitted
+
+    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+        """Run the copy-on-write page copies `SequencePages.reserve` asked for."""
+        if copies:
+            src, dst = zip(*copies)
+            self.kv = copy_pages(self.kv, jnp.array(src), jnp.array(dst))
 
     def _take_cached_prefix(self, req: _Request) -> None:
         """Share the longest cached run of the prompt's pages (at least one token is left
@@ -406,10 +409,7 @@ class Engine:
         tokens = np.zeros(rows, np.int32)
         positions = np.zeros(rows, np.int32)
         for j, r in enumerate(reqs):
-            copies = r.seq.reserve(r.seq.length + 1)
-            if copies:
-                src, dst = zip(*copies)
-                self.kv = copy_pages(self.kv, jnp.array(src), jnp.array(dst))
+            self._apply_copies(r.seq.reserve(r.seq.length + 1))
             positions[j] = r.seq.length
             tokens[j] = r.generated[-1]  # unused when `feed` carries the device tokens
             r.seq.length += 1

@@ -147,9 +147,10 @@ def _itemsize(dtype_name: str) -> int:
 
 
 def page_bytes(config: ModelConfig, page_size: int, kv_dtype: str) -> int:
-    values = config.num_layers * 2 * config.num_kv_heads * page_size
-    scales = values * 4 if is_quantized(kv_dtype) else 0  # one f32 per token and head
-    return values * config.head_dim * _itemsize(kv_dtype) + scales
+    values = config.kv_values_per_token() * page_size
+    # one f32 scale per token, head and K/V
+    scales = values // config.head_dim * 4 if is_quantized(kv_dtype) else 0
+    return values * _itemsize(kv_dtype) + scales
 
 
 def activation_bytes(config: ModelConfig, max_batch: int, chunk: int, max_context: int,

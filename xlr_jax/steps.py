@@ -93,19 +93,15 @@ class Steps:
         self._all_logits = jax.jit(partial(_all_logits, **fixed), donate_argnames="kv")
         self._aot: dict[tuple, jax.stages.Compiled] = {}
 
-    @staticmethod
-    def _static(greedy_only: bool) -> dict:
-        return dict(greedy_only=greedy_only)
-
     def prefill(self, params, kv, tokens, start, num_new, block_tables, sampling, greedy_only):
         args = (params, kv, tokens, start, num_new, block_tables, sampling)
         exe = self._aot.get(("prefill", tokens.shape, block_tables.shape[1], greedy_only))
-        return exe(*args) if exe else self._prefill(*args, **self._static(greedy_only))
+        return exe(*args) if exe else self._prefill(*args, greedy_only=greedy_only)
 
     def decode(self, params, kv, tokens, positions, block_tables, sampling, greedy_only):
         args = (params, kv, tokens, positions, block_tables, sampling)
         exe = self._aot.get(("decode", tokens.shape, block_tables.shape[1], greedy_only))
-        return exe(*args) if exe else self._decode(*args, **self._static(greedy_only))
+        return exe(*args) if exe else self._decode(*args, greedy_only=greedy_only)
 
     def all_logits(self, params, kv, tokens, start, num_new, block_tables):
         return self._all_logits(params, kv, tokens, start, num_new, block_tables)
@@ -130,10 +126,10 @@ class Steps:
             start = time.perf_counter()
             if kind == "decode":
                 lowered = self._decode.lower(params, kv, ints(rows), ints(rows), ints(rows, width),
-                                             sampling, **self._static(greedy))
+                                             sampling, greedy_only=greedy)
             else:
                 lowered = self._prefill.lower(params, kv, ints(*shape), ints(rows), ints(rows),
-                                              ints(rows, width), sampling, **self._static(greedy))
+                                              ints(rows, width), sampling, greedy_only=greedy)
             self._aot[key] = lowered.compile()
             report.append({"step": kind, "batch": rows, "chunk": shape[1] if len(shape) > 1
                            else 1, "pages": width, "greedy_only": greedy,

@@ -56,20 +56,23 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
         if q.ndim != 4 or q_positions is None or q_positions.shape != q.shape[:2]:
             raise ValueError("padded attention takes q [batch, q_len, heads, dim] and "
                              "q_positions [batch, q_len]; pass cu_q_lens for ragged q")
-        batch, q_len = q.shape[:2]
         if impl == "xla":
             return _padded_xla(q, k_pages, v_pages, ks, vs, layer, block_tables, lengths,
                                q_positions, sliding_window)
-        cu = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
-        out = ragged_paged_attention_pallas(
-            q.reshape(batch * q_len, *q.shape[2:]), k_pages, v_pages, block_tables,
-            lengths, cu, q_positions.reshape(-1), ks, vs, max_q_len=q_len, layer=layer,
-            sliding_window=sliding_window, interpret=jax.default_backend() != "gpu")
+        # the kernel takes ragged queries: each row's q_len tokens, back to back
+        batch, q_len = q.shape[:2]
+        out = paged_attention(q.reshape(batch * q_len, *q.shape[2:]), kv_pages, block_tables,
+                              lengths, q_positions.reshape(-1),
+                              cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32) * q_len,
+                              max_q_len=q_len, kv_scales=kv_scales, layer=layer,
+                              sliding_window=sliding_window, impl=impl)
         return out.reshape(q.shape)
     if q.ndim != 3 or cu_q_lens.shape != (block_tables.shape[0] + 1,):
         raise ValueError("ragged attention takes q [tokens, heads, dim] and cu_q_lens "
                          "[batch + 1]")
-    seq = jnp.searchsorted(cu_q_lens, jnp.arange(q.shape[0]), side="right") - 1
+    # each token's sequence (the kernel finds it from cu_q_lens itself)
+    seq = None if q_positions is not None and impl == "pallas" else \
+        jnp.searchsorted(cu_q_lens, jnp.arange(q.shape[0]), side="right") - 1
     if q_positions is None:  # the new tokens are each sequence's last ones
         first = lengths - (cu_q_lens[1:] - cu_q_lens[:-1])
         q_positions = first[seq] + jnp.arange(q.shape[0]) - cu_q_lens[seq]
