@@ -17,6 +17,7 @@ from xlr_jax.model import params_from_arrays
 from xlr_jax.prefix_cache import TIERS
 from xlr_jax.registry import default_cache_dir, resolve_model
 from xlr_jax.sampling import SamplingParams
+from xlr_jax.speculative import Draft, ModelDraft, SpecConfig, resolve_draft
 from xlr_jax.tier_store import TierStore
 from xlr_jax.tokenizer import Tokenizer
 from xlr_jax.weights import load_weights, read_config
@@ -97,17 +98,23 @@ class Model:
         self.tokenizer = engine.tokenizer
         self.dtype = plan.compute_dtype
         self.load_info = load_info
+        self._drafts: dict[str, ModelDraft] = {}
 
     # ------------------------------------------------------------ generation
 
     def generate(self, prompt_or_prompts, max_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
-                 stop: str | Sequence[str] | None = None, ignore_eos: bool = False):
+                 stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
+                 speculative: dict | SpecConfig | None = None):
         """Complete one prompt or a list of them (results in order).
 
         A prompt is a string, token ids, or a tiered dict {"stable": ..., "context": ...,
         "volatile": ...} of strings or ids: the stable tier is pinned in the prefix
         cache, so every later request that starts with it skips its prefill.
+        speculative: {"method": "exact"|"smc", "draft": "ngram"|"self:K"|PATH,
+        "gamma": G, "particles": "auto"|N, "ess_threshold": T, "alpha": A} (see
+        SpecConfig); exact speculation returns the target's own distribution
+        (greedy: the same tokens), SMC returns one weighted particle.
         """
         single = (isinstance(prompt_or_prompts, (str, dict))
                   or _is_token_list(prompt_or_prompts))
@@ -115,27 +122,31 @@ class Model:
         if not prompts:
             raise InvalidRequestError("no prompts given; pass a string or a list of strings")
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos)
-        results = self._run([self._encode(p) for p in prompts], params)
+        results = self._run([self._encode(p) for p in prompts], params, speculative)
         return results[0] if single else results
 
     def chat(self, messages, max_tokens: int = 256, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
-             stop: str | Sequence[str] | None = None, tools: list | None = None):
+             stop: str | Sequence[str] | None = None, tools: list | None = None,
+             speculative: dict | SpecConfig | None = None):
         """Reply to a conversation ([{"role", "content"}, ...]) or a list of conversations."""
         single = bool(messages) and isinstance(messages[0], dict)
         encoded = [self._encode_chat(m, tools) for m in ([messages] if single else messages)]
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, False)
-        results = self._run(encoded, params)
+        results = self._run(encoded, params, speculative)
         return results[0] if single else results
 
     def stream(self, prompt, max_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
                stop: str | Sequence[str] | None = None, chat: bool = False,
-               ignore_eos: bool = False, result: list | None = None) -> Iterator[str]:
-        """Yield text pieces as they are generated; `result`, if a list, receives the result."""
+               ignore_eos: bool = False, result: list | None = None,
+               speculative: dict | SpecConfig | None = None) -> Iterator[str]:
+        """Yield text pieces as they are generated; `result`, if a list, receives the result.
+        (SMC speculation releases its text at the end: particles change until then.)"""
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos)
         ids, tiers = self._encode_chat(prompt) if chat else self._encode(prompt)
-        for _, piece, done in self.engine.run([ids], [params], [tiers]):
+        spec, draft = self._speculation(speculative)
+        for _, piece, done in self.engine.run([ids], [params], [tiers], spec, draft):
             if piece:
                 yield piece
             if done is not None and result is not None:
@@ -202,10 +213,31 @@ class Model:
             ends.append(_common_prefix(head, ids))
         return ids, (ends[0], max(ends))
 
-    def _run(self, prompts, params) -> list[GenerationResult]:
+    def _speculation(self, speculative) -> tuple[SpecConfig | None, Draft | None]:
+        """The validated spec and its draft (a draft model is loaded once, then kept)."""
+        policy = self.plan.speculative
+        spec = SpecConfig.parse(speculative, policy.gamma, policy.draft or "ngram")
+        if spec is None:
+            return None, None
+        return spec, resolve_draft(spec.draft, self.config, self._load_draft)
+
+    def _load_draft(self, path: str) -> ModelDraft:
+        if path not in self._drafts:
+            loaded = load_weights(path, dtype=np.dtype(self.dtype))
+            if loaded.config.vocab_size != self.config.vocab_size:
+                raise InvalidRequestError(
+                    f"draft model {path} has a vocabulary of {loaded.config.vocab_size} but the "
+                    f"target's is {self.config.vocab_size}; a draft must share the tokenizer")
+            params = params_from_arrays(loaded.params, jnp.dtype(self.dtype)).per_layer()
+            self._drafts[path] = ModelDraft(str(path), loaded.config, params)
+        return self._drafts[path]
+
+    def _run(self, prompts, params, speculative=None) -> list[GenerationResult]:
+        spec, draft = self._speculation(speculative)
         results: list[GenerationResult | None] = [None] * len(prompts)
         ids, tiers = zip(*prompts)
-        for index, _, done in self.engine.run(list(ids), [params] * len(prompts), list(tiers)):
+        for index, _, done in self.engine.run(list(ids), [params] * len(prompts), list(tiers),
+                                              spec, draft):
             if done is not None:
                 results[index] = done
         return results

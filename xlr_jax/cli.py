@@ -35,6 +35,11 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--stop", action="append", default=None,
                    help="stop string (repeatable); not included in the output")
+    p.add_argument("--spec", default=None, metavar="METHOD[,KEY=VALUE...]",
+                   help="speculative decoding: 'exact' (the model's own distribution; greedy "
+                        "gives the same tokens) or 'smc' (particles, needs --temperature > 0), "
+                        "then optional draft=ngram|self:K|PATH, gamma=G, particles=auto|N, "
+                        "ess_threshold=T, alpha=A; e.g. --spec exact,draft=ngram,gamma=4")
 
 
 def _load(args):
@@ -51,8 +56,11 @@ def _load(args):
 
 
 def _sampling_kwargs(args) -> dict:
+    from xlr_jax.speculative import SpecConfig
+
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
+                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                speculative=SpecConfig.from_cli(args.spec) if args.spec else None)
 
 
 def _print_metrics(metrics: dict) -> None:
@@ -61,6 +69,12 @@ def _print_metrics(metrics: dict) -> None:
           f"{metrics['completion_tokens']} completion tokens"
           f" ({metrics.get('cached_tokens', 0)} prompt tokens from the prefix cache)",
           file=sys.stderr)
+    if "target_passes" in metrics:
+        extra = (f" | {metrics['resamples']} resamples, particles {min(metrics['particles'])}"
+                 f"-{max(metrics['particles'])}" if "resamples" in metrics else "")
+        print(f"speculative: {metrics['target_passes']} target passes | "
+              f"{metrics['accepted_per_pass']:.2f} tokens per pass | acceptance "
+              f"{metrics['acceptance_rate']:.0%}{extra}", file=sys.stderr)
 
 
 def cmd_generate(args) -> int:
@@ -177,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "spec", None):  # a bad --spec is reported before the model loads
+            _sampling_kwargs(args)
         return args.func(args)
     except XlrError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -13,6 +13,7 @@ A row that finishes meanwhile only wastes its slot in that one step.
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections import deque
@@ -31,6 +32,8 @@ from xlr_jax.paged_kv import (PagedKV, PagePool, SequencePages, copy_pages, leav
 from xlr_jax.prefix_cache import PrefixCache, tier_counts
 from xlr_jax.tier_store import TierStore
 from xlr_jax.sampling import SamplingBatch, SamplingParams
+from xlr_jax.spec_runner import SpecRunner
+from xlr_jax.speculative import Draft, SpecConfig, SpecSteps
 from xlr_jax.steps import Buckets, Steps, pick_bucket
 from xlr_jax.tokenizer import Tokenizer
 
@@ -81,6 +84,8 @@ class _Request:
         self.stable_end, self.context_end = tiers
         self.cached_tokens = 0
         self.cache_metrics: dict = {}
+        self.spec_metrics: dict = {}
+        self.pending = ""  # an SMC particle's text, released when it is chosen
         self.params = params
         self.seq = SequencePages(pool)
         self.decoder = tokenizer.incremental_decoder() if tokenizer else None
@@ -96,6 +101,17 @@ class _Request:
     @property
     def prefilled(self) -> int:
         return self.seq.length
+
+    def fork(self) -> "_Request":
+        """An SMC particle: the same request continuing independently from here, sharing
+        every KV page written so far (copy-on-write)."""
+        twin = copy.copy(self)
+        twin.seq = self.seq.fork()
+        twin.generated = list(self.generated)
+        twin.decoder = self.decoder.fork() if self.decoder else None
+        twin.stop_text = copy.copy(self.stop_text)
+        twin.spec_metrics = dict(self.spec_metrics)
+        return twin
 
     def accept(self, token: int, now: float) -> str:
         """Record a sampled token; return the text it makes visible."""
@@ -131,6 +147,7 @@ class _Request:
             "cached_tokens": self.cached_tokens,
             "prefilled_tokens": len(self.prompt_ids) - self.cached_tokens,
             **self.cache_metrics,
+            **self.spec_metrics,
         }
         return GenerationResult(self.stop_text.text, list(self.generated),
                                 self.finish_reason, metrics)
@@ -143,7 +160,8 @@ class Engine:
                  page_size: int, num_pages: int, max_batch: int, prefill_chunk: int,
                  max_context: int, attn_impl: str = "auto", kv_dtype=jnp.float32,
                  buckets: Buckets | None = None, prefix_cache: bool = True,
-                 cache_namespace: str = "", tier_store: TierStore | None = None):
+                 cache_namespace: str = "", tier_store: TierStore | None = None,
+                 particle_cap: int = 4):
         self.config, self.params, self.tokenizer = config, params.per_layer(), tokenizer
         self.max_context = max_context
         self.max_batch = max_batch
@@ -156,6 +174,10 @@ class Engine:
                                  head_dim=config.head_dim, num_pages=num_pages,
                                  page_size=page_size, dtype=kv_dtype)
         self.steps = Steps(config, attn_impl)
+        self.spec_steps = SpecSteps(config, attn_impl)
+        self.particle_cap = particle_cap  # SMC particles at most (the plan's policy)
+        self.draft_kvs: dict[str, PagedKV] = {}  # separate draft models' KV, by name
+        self.draft_steps: dict[str, Steps] = {}
         # shapes every step is compiled for (the plan's; CPU-style defaults otherwise)
         self.buckets = buckets or Buckets(
             batch=powers_of_two_upto(max_batch),
@@ -173,7 +195,8 @@ class Engine:
                    prefill_chunk=plan.prefill_chunk, max_context=plan.max_context,
                    attn_impl=plan.attn_impl, kv_dtype=jnp.dtype(plan.kv_dtype),
                    buckets=plan.buckets, prefix_cache=prefix_cache,
-                   cache_namespace=cache_namespace, tier_store=tier_store)
+                   cache_namespace=cache_namespace, tier_store=tier_store,
+                   particle_cap=plan.speculative.particle_cap)
 
     # ------------------------------------------------------------ validation
 
@@ -206,12 +229,14 @@ class Engine:
     # ------------------------------------------------------------ running
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams],
-            tiers: list[tuple[int, int]] | None = None
+            tiers: list[tuple[int, int]] | None = None, spec: SpecConfig | None = None,
+            draft: Draft | None = None
             ) -> Iterator[tuple[int, str, GenerationResult | None]]:
         """Yield (request index, new text, result-or-None); a result marks the request done.
 
         `tiers` gives each prompt's (stable end, context end) token boundaries; the
         stable tier is pinned in the prefix cache. Default: the whole prompt volatile.
+        `spec` with its resolved `draft` decodes speculatively (see spec_runner).
         """
         tiers = tiers or [(0, 0)] * len(prompts)
         with self._lock:
@@ -226,32 +251,48 @@ class Engine:
                         f"{len(r.prompt_ids)} prompt tokens plus up to {r.limit} new ones need "
                         f"{r.max_pages} KV pages but the pool has {usable}; lower max_tokens "
                         "or load the model with more num_pages")
-            active: list[_Request] = []
-            inflight = None  # (rows, device tokens) of a decode step not read back yet
+            active: list[_Request] = []  # updated in place: the cleanup below sees it
             try:
-                while waiting or active or inflight:
-                    if inflight and inflight[0] == active and self._can_run_ahead(active):
-                        # dispatch the next step on the device tokens before reading them
-                        # back: host work and dispatch overlap the step in flight
-                        ahead = (list(active), self._dispatch_decode(active, inflight[1]))
-                        yield from self._settle(*inflight)
-                        inflight = ahead
-                    else:
-                        if inflight:
-                            yield from self._settle(*inflight)
-                            inflight = None
-                        active = [r for r in active if r.finish_reason is None]
-                        admitted = self._admit(waiting, active)
-                        if admitted:
-                            yield from self._finish_done(admitted, self._prefill(admitted))
-                            active += [r for r in admitted if r.finish_reason is None]
-                        if active:
-                            inflight = (list(active), self._dispatch_decode(active))
-                    active = [r for r in active if r.finish_reason is None]
+                if spec is None:
+                    yield from self._decode_loop(waiting, active)
+                else:
+                    yield from SpecRunner(self, spec, draft).loop(waiting, active)
             finally:  # also when the caller abandons a stream: give every page back
                 for r in list(waiting) + active:
                     if r.seq.pages:
                         r.seq.release()
+
+    def _decode_loop(self, waiting: deque, active: list[_Request]):
+        inflight = None  # (rows, device tokens) of a decode step not read back yet
+        while waiting or active or inflight:
+            if inflight and inflight[0] == active and self._can_run_ahead(active):
+                # dispatch the next step on the device tokens before reading them
+                # back: host work and dispatch overlap the step in flight
+                ahead = (list(active), self._dispatch_decode(active, inflight[1]))
+                yield from self._settle(*inflight)
+                inflight = ahead
+            else:
+                if inflight:
+                    yield from self._settle(*inflight)
+                    inflight = None
+                yield from self._admit_and_prefill(waiting, active)
+                if active:
+                    inflight = (list(active), self._dispatch_decode(active))
+            active[:] = [r for r in active if r.finish_reason is None]
+
+    def _admit_and_prefill(self, waiting: deque, active: list[_Request],
+                           max_requests: int | None = None, after_prefill=None):
+        """Drop finished requests from `active`, admit what fits, prefill it, and add the
+        ones still going to `active`. `after_prefill(admitted)` runs before any finished
+        request gives its pages back."""
+        active[:] = [r for r in active if r.finish_reason is None]
+        admitted = self._admit(waiting, active, max_requests or self.max_batch)
+        if admitted:
+            pieces = self._prefill(admitted)
+            if after_prefill:
+                after_prefill(admitted)
+            yield from self._finish_done(admitted, pieces)
+            active += [r for r in admitted if r.finish_reason is None]
 
     @staticmethod
     def _can_run_ahead(active: list[_Request]) -> bool:
@@ -259,7 +300,7 @@ class Engine:
         flight only wastes one row of one step; pages are budgeted at admission)."""
         return all(len(r.generated) + 2 <= r.limit for r in active)
 
-    def _admit(self, waiting: deque, active: list) -> list[_Request]:
+    def _admit(self, waiting: deque, active: list, max_requests: int) -> list[_Request]:
         """Admit waiting requests whose worst-case pages fit beside the running ones'.
 
         Budgeting every request's prompt plus max_tokens up front means a running
@@ -267,7 +308,7 @@ class Engine:
         request first takes its cached prefix pages; only the rest is new.
         """
         admitted: list[_Request] = []
-        while waiting and len(active) + len(admitted) < self.max_batch:
+        while waiting and len(active) + len(admitted) < max_requests:
             req = waiting[0]
             outstanding = sum(r.max_pages - len(r.seq.pages) for r in active + admitted)
             self._take_cached_prefix(req)
@@ -283,8 +324,10 @@ class Engine:
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         """Run the copy-on-write page copies `SequencePages.reserve` asked for."""
         if copies:
-            src, dst = zip(*copies)
-            self.kv = copy_pages(self.kv, jnp.array(src), jnp.array(dst))
+            src, dst = (jnp.array(ids) for ids in zip(*copies))
+            self.kv = copy_pages(self.kv, src, dst)
+            for name, kv in self.draft_kvs.items():  # a draft model's KV on the same pages
+                self.draft_kvs[name] = copy_pages(kv, src, dst)
 
     def _take_cached_prefix(self, req: _Request) -> None:
         """Share the longest cached run of the prompt's pages (at least one token is left

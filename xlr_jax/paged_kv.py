@@ -210,6 +210,15 @@ class SequencePages:
         self.pages += fresh
         return copies
 
+    def trim(self, length: int) -> None:
+        """Keep positions [0, length) (drop rejected speculative tokens): pages past the
+        new end go back to the pool; nothing is copied."""
+        assert 0 <= length <= len(self.pages) * self.pool.page_size, "trim past the pages held"
+        keep = -(-length // self.pool.page_size)
+        self.pool.decref(self.pages[keep:])
+        del self.pages[keep:]
+        self.length = length
+
     def release(self) -> None:
         self.pool.decref(self.pages)
         self.pages, self.length = [], 0

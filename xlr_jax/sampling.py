@@ -49,6 +49,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def filtered(self) -> bool:
+        """Top-k, top-p or min-p is on (the sampler must sort the vocabulary)."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
 
 @flax.struct.dataclass
 class SamplingBatch:
@@ -75,7 +80,8 @@ class SamplingBatch:
             step=np.array(steps, np.int32))
 
 
-def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
+def _kept_sorted(logits, temperature, top_k, top_p, min_p):
+    """Scaled logits sorted descending, their order, and which survive the filters."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)
     order = jnp.argsort(-scaled)
@@ -86,9 +92,35 @@ def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
     keep &= (jnp.cumsum(probs) - probs) < top_p      # smallest set reaching top_p
     keep &= probs >= min_p * probs[0]
     keep = keep.at[0].set(True)
+    return order, sorted_logits, keep
+
+
+def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
+    order, sorted_logits, keep = _kept_sorted(logits, temperature, top_k, top_p, min_p)
     key = jax.random.fold_in(jax.random.key(seed), step)
     choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf))
     return order[choice]
+
+
+def _filtered_probs_row(logits, temperature, top_k, top_p, min_p):
+    order, sorted_logits, keep = _kept_sorted(logits, temperature, top_k, top_p, min_p)
+    kept = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
+    return jnp.zeros_like(kept).at[order].set(kept)
+
+
+def token_probs(logits, temperature, top_k, top_p, min_p, *, filtered: bool):
+    """The distribution `sample` draws from, as probabilities [R, V] for logits [R, V].
+
+    Greedy rows (temperature 0) are one-hot at the argmax; `filtered` (static) applies
+    top-k/top-p/min-p, which needs a sort, so callers pass False when no row uses them.
+    Speculative decoding compares these for the target and the draft.
+    """
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    if filtered:
+        probs = jax.vmap(_filtered_probs_row)(logits, temperature, top_k, top_p, min_p)
+    else:
+        probs = jax.nn.softmax(logits / jnp.maximum(temperature, 1e-6)[:, None], axis=-1)
+    return jnp.where((temperature > 0)[:, None], probs, greedy)
 
 
 def sample(logits, batch: SamplingBatch, *, greedy_only: bool):

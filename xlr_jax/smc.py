@@ -43,10 +43,11 @@ def block_increment(logp_target, logq_draft, mask=None, alpha: float = 1.0):
     return jnp.sum(inc, axis=-1)
 
 
-@partial(jax.jit, static_argnames=("method",))
-def resample(key, log_w, method: str = "systematic"):
-    """Ancestor index [N] for each new particle, drawn in proportion to the weights."""
-    n = log_w.shape[0]
+@partial(jax.jit, static_argnames=("method", "num"))
+def resample(key, log_w, method: str = "systematic", num: int | None = None):
+    """Ancestor index for each of `num` (default N) new particles, drawn in proportion to
+    the weights; a different `num` grows or shrinks the population."""
+    n = log_w.shape[0] if num is None else num
     w = normalized(log_w)
     if method == "multinomial":
         return jax.random.categorical(key, jnp.log(w + 1e-38), shape=(n,)).astype(jnp.int32)
@@ -56,17 +57,22 @@ def resample(key, log_w, method: str = "systematic"):
     points = (jax.random.uniform(key) + jnp.arange(n)) / n
     cdf = jnp.cumsum(w)
     cdf = cdf.at[-1].set(1.0)  # rounding must not leave the last point unassigned
-    return jnp.searchsorted(cdf, points, side="right").astype(jnp.int32).clip(0, n - 1)
+    return jnp.searchsorted(cdf, points, side="right").astype(jnp.int32).clip(0, w.shape[0] - 1)
 
 
-@partial(jax.jit, static_argnames=("method",))
-def maybe_resample(key, log_w, threshold: float = 0.5, method: str = "systematic"):
+@partial(jax.jit, static_argnames=("method", "num"))
+def maybe_resample(key, log_w, threshold: float = 0.5, method: str = "systematic",
+                   num: int | None = None):
     """(ancestors, new log-weights, resampled?, log-normalizer increment).
 
-    Resamples when ESS < threshold * N; otherwise ancestors are the identity and the
-    weights carry over (no increment yet: it is taken at the next resample or the end).
+    Resamples when ESS < threshold * N, or always when the population changes size to
+    `num`; otherwise ancestors are the identity and the weights carry over (no
+    increment yet: it is taken at the next resample or the end).
     """
     n = log_w.shape[0]
+    if num is not None and num != n:
+        return (resample(key, log_w, method, num), jnp.zeros(num, log_w.dtype),
+                jnp.bool_(True), log_mean_weight(log_w))
     do = ess(log_w) < threshold * n
     drawn = resample(key, log_w, method)
     ancestors = jnp.where(do, drawn, jnp.arange(n, dtype=jnp.int32))

@@ -15,10 +15,12 @@ import jax
 import jax.numpy as jnp
 
 
-def accept_block(key, draft_tokens, q_probs, p_probs):
+def accept_block(key, draft_tokens, q_probs, p_probs, num_draft=None):
     """Accept/reject one speculative block per sequence.
 
     draft_tokens [B, gamma] int; q_probs [B, gamma, V]; p_probs [B, gamma + 1, V].
+    `num_draft` [B] (default gamma) counts each row's real proposals; later ones are
+    never accepted and the token after the last real one is a bonus from p.
     Returns (accepted [B]: draft tokens kept, 0..gamma; next_token [B]: the token
     after them, a resample at the first rejection or the bonus token). The sequence
     advances by accepted + 1 tokens; the KV of rejected positions is dropped by the
@@ -30,13 +32,17 @@ def accept_block(key, draft_tokens, q_probs, p_probs):
     q_d = jnp.take_along_axis(q_probs, draft_tokens[..., None], -1)[..., 0]
     u = jax.random.uniform(k_accept, (batch, gamma))
     ok = u * q_d < p_d  # u < p/q without dividing (q > 0 wherever the draft sampled)
+    if num_draft is not None:
+        ok &= jnp.arange(gamma) < num_draft[:, None]
+    else:
+        num_draft = jnp.full(batch, gamma, jnp.int32)
     accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
     # the distribution of the token after the accepted run
     at = jnp.minimum(accepted, gamma - 1)
     p_at = jnp.take_along_axis(p_probs, accepted[:, None, None], 1)[:, 0]
     q_at = jnp.take_along_axis(q_probs, at[:, None, None], 1)[:, 0]
     residual = jnp.maximum(p_at - q_at, 0.0)
-    all_in = (accepted == gamma)[:, None]
+    all_in = (accepted == num_draft)[:, None]
     # a residual that is all zero (p == q) cannot happen after a rejection, but guard it
     residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_at)
     dist = jnp.where(all_in, p_at, residual)

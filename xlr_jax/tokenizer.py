@@ -4,6 +4,7 @@ The runtime must not depend on transformers, so this rebuilds with `tokenizers` 
 transformers builds from a GGUF's metadata, and renders chat templates in the same jinja environment.
 """
 
+import copy
 import functools
 import json
 from datetime import datetime
@@ -265,6 +266,12 @@ class IncrementalDecoder:
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
         return self._advance(hold_incomplete=True)
+
+    def fork(self) -> "IncrementalDecoder":
+        """An independent decoder at the same point (an SMC particle's copy)."""
+        twin = copy.copy(self)
+        twin._ids = list(self._ids)
+        return twin
 
     def flush(self) -> str:
         """The text still held back at the end of generation (an incomplete character, as U+FFFD)."""

@@ -1,0 +1,276 @@
+"""Speculative decoding on the paged KV: the request's spec, the drafts, one jitted cycle.
+
+A cycle, for every row (a sequence, or an SMC particle): the draft proposes up
+to gamma tokens; the target scores the row's last token plus the proposals
+(gamma + 1 positions) in one forward over the paged KV; then either exact
+acceptance (`spec_sampling.accept_block`) or the SMC weight update
+(`smc.block_increment`) with a bonus token from the target. The host then
+trims each row's block table and length to what was kept; nothing is copied.
+
+Drafts share one interface, `Draft.kind`:
+- "tokens": proposals made on the host (n-gram prompt lookup), q a point mass;
+- "self": the target's first k layers with its final norm and LM head. It
+  writes those layers' KV in the target's own pages, which the verify pass then
+  overwrites with identical values, so it needs no KV of its own;
+- "model": a separate model sharing the target's tokenizer. Its KV is a second
+  pytree over the same page ids, so one block table serves both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from xlr_jax.config import ModelConfig
+from xlr_jax.drafts import ngram_propose
+from xlr_jax.errors import InvalidRequestError
+from xlr_jax.model import Params, forward, lm_head
+from xlr_jax.sampling import SamplingBatch, token_probs
+from xlr_jax.smc import block_increment
+from xlr_jax.spec_sampling import accept_block
+
+MAX_GAMMA = 16
+METHODS = ("exact", "smc")
+RESAMPLERS = ("systematic", "multinomial")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """What a request asks of speculative decoding (`Model.generate(speculative=...)`).
+
+    method: "exact" (the target's distribution exactly) or "smc" (particles weighted
+    by p_target^alpha / q_draft and resampled). draft: "ngram" (prompt lookup),
+    "self:K" (the target's first K layers) or a path to a draft model. particles:
+    "auto" (from free KV pages, the plan's rule) or a fixed N; with one particle
+    SMC is plain exact speculation.
+    """
+
+    method: str = "exact"
+    draft: str = "ngram"
+    gamma: int = 4
+    particles: int | str = "auto"
+    ess_threshold: float = 0.5
+    alpha: float = 1.0
+    resampler: str = "systematic"
+
+    def __post_init__(self):
+        p = self.particles
+        checks = [
+            (self.method in METHODS, f"speculative method must be one of {METHODS} "
+                                     f"(got {self.method!r})"),
+            (isinstance(self.draft, str) and bool(self.draft),
+             'draft must be "ngram", "self:K" or a path to a draft model'),
+            (isinstance(self.gamma, int) and 1 <= self.gamma <= MAX_GAMMA,
+             f"gamma must be an integer in [1, {MAX_GAMMA}] (got {self.gamma!r})"),
+            (p == "auto" or (isinstance(p, int) and p >= 1),
+             f'particles must be "auto" or a positive integer (got {p!r})'),
+            (0 < self.ess_threshold <= 1,
+             f"ess_threshold must be in (0, 1] (got {self.ess_threshold})"),
+            (self.alpha > 0, f"alpha must be > 0 (got {self.alpha})"),
+            (self.resampler in RESAMPLERS, f"resampler must be one of {RESAMPLERS} "
+                                           f"(got {self.resampler!r})"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)
+
+    @classmethod
+    def parse(cls, spec, default_gamma: int = 4,
+              default_draft: str = "ngram") -> "SpecConfig | None":
+        """A SpecConfig from None, a SpecConfig or a dict with the same keys."""
+        if spec is None or isinstance(spec, SpecConfig):
+            return spec
+        if not isinstance(spec, dict):
+            raise InvalidRequestError("speculative must be a dict such as "
+                                      '{"method": "exact", "draft": "ngram"} or a SpecConfig')
+        known = {f.name for f in fields(cls)}
+        unknown = set(spec) - known
+        if unknown:
+            raise InvalidRequestError(f"unknown speculative key(s) {sorted(unknown)}; "
+                                      f"known: {', '.join(sorted(known))}")
+        return cls(**{"gamma": default_gamma, "draft": default_draft, **spec})
+
+    @classmethod
+    def from_cli(cls, text: str) -> dict:
+        """The spec dict of `--spec method[,key=value...]`, e.g.
+        "smc,draft=self:8,gamma=4,particles=auto"."""
+        method, *pairs = text.split(",")
+        spec: dict = {"method": method.strip()}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep:
+                raise InvalidRequestError(f"--spec item {pair!r} is not key=value")
+            key, value = key.strip(), value.strip()
+            try:
+                spec[key] = (int(value) if key == "gamma" or (key == "particles" and value != "auto")
+                             else float(value) if key in ("alpha", "ess_threshold") else value)
+            except ValueError:
+                raise InvalidRequestError(f"--spec {key}={value}: not a number") from None
+        cls.parse(spec)  # validate here: the CLI reports a bad value before loading
+        return spec
+
+
+@dataclass(frozen=True)
+class NgramDraft:
+    """Prompt lookup: propose what followed the latest earlier match of the last tokens."""
+
+    max_n: int = 3
+    min_n: int = 2  # one-token matches guess wrong too often: measured 0.29 vs 0.50
+    kind = "tokens"  # acceptance, 80 vs 100 tok/s on the code-edit workload (gamma 8)
+
+    def propose(self, tokens: list[int], gamma: int) -> list[int]:
+        return ngram_propose(tokens, gamma, self.max_n, self.min_n)
+
+
+@dataclass(frozen=True)
+class LayerDraft:
+    """Self-speculative: the target's first `layers` layers, final norm and LM head."""
+
+    layers: int
+    kind = "self"
+
+
+@dataclass(eq=False)
+class ModelDraft:
+    """A separate draft model; its KV lives beside the target's on the same page ids."""
+
+    name: str
+    config: ModelConfig
+    params: Params
+    kind = "model"
+
+
+Draft = NgramDraft | LayerDraft | ModelDraft
+
+
+def resolve_draft(draft: str, target: ModelConfig, load=None) -> Draft:
+    """The Draft a spec's "draft" string names; `load(path)` loads a separate model."""
+    if draft == "ngram":
+        return NgramDraft()
+    if draft.startswith("self:"):
+        k = draft[5:]
+        if not k.isdigit() or not 1 <= int(k) < target.num_layers:
+            raise InvalidRequestError(f'draft "{draft}": K must be an integer in '
+                                      f"[1, {target.num_layers - 1}] (the target has "
+                                      f"{target.num_layers} layers)")
+        return LayerDraft(int(k))
+    if not Path(draft).exists():
+        raise InvalidRequestError(f'draft "{draft}" is not "ngram", "self:K" or an existing '
+                                  "model path")
+    return load(draft)
+
+
+def _row_keys(sampling: SamplingBatch, salt):
+    """Two keys per row (draft, accept) from the row's seed, token index and salt."""
+    def row(seed, step, s):
+        return jax.random.split(jax.random.fold_in(jax.random.fold_in(jax.random.key(seed),
+                                                                      step), s))
+    keys = jax.vmap(row)(sampling.seed, sampling.step, salt)
+    return keys[:, 0], keys[:, 1]
+
+
+def _probs(logits, sampling: SamplingBatch, greedy_only: bool, filtered: bool):
+    if greedy_only:
+        return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
+    return token_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                       sampling.min_p, filtered=filtered)
+
+
+def _draw(keys, probs):
+    return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p + 1e-38)))(
+        keys, probs).astype(jnp.int32)
+
+
+def _run_draft(dparams, dkv, last, positions, num_draft, block_tables, sampling, keys, *,
+               dconfig, attn_impl, steps, greedy_only, filtered):
+    """`steps` single-token draft steps from `last`; returns tokens [B, steps],
+    their draft probabilities [B, steps, V] and the draft's KV."""
+    def step(carry, j):
+        kv, token = carry
+        hidden, kv = forward(dparams, kv, token[:, None], (positions + j)[:, None],
+                             (j <= num_draft)[:, None], block_tables, config=dconfig,
+                             attn_impl=attn_impl)
+        q = _probs(lm_head(dparams, hidden[:, 0]), sampling, greedy_only, filtered)
+        drawn = _draw(jax.vmap(lambda k: jax.random.fold_in(k, j))(keys), q)
+        return (kv, drawn), (drawn, q)
+
+    (dkv, _), (tokens, q) = jax.lax.scan(step, (dkv, last), jnp.arange(steps))
+    return tokens.T, jnp.swapaxes(q, 0, 1), dkv
+
+
+def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed, num_draft,
+           block_tables, sampling: SamplingBatch, salt, *, config: ModelConfig,
+           draft_config: ModelConfig | None, attn_impl: str, gamma: int, draft_kind: str,
+           draft_layers: int, method: str, alpha: float, greedy_only: bool, filtered: bool):
+    """One speculative cycle for rows [B] whose next position is `positions` and whose
+    last sampled token `last` is not yet in the KV. `num_draft` [B] <= gamma limits
+    each row's proposals (token budget, or fewer n-gram proposals in `proposed`).
+
+    Returns (accepted [B], next token [B], drafts [B, gamma], log-weight increment [B],
+    kv, draft_kv): the row keeps `last`, drafts[:accepted] and then `next`.
+    """
+    batch = last.shape[0]
+    k_draft, k_accept = _row_keys(sampling, salt)
+    vocab = config.vocab_size
+    if draft_kind == "tokens":
+        drafts = proposed
+        q = jax.nn.one_hot(drafts, vocab, dtype=jnp.float32)
+    else:
+        run = partial(_run_draft, last=last, positions=positions, num_draft=num_draft,
+                      block_tables=block_tables, sampling=sampling, keys=k_draft,
+                      attn_impl=attn_impl, greedy_only=greedy_only, filtered=filtered)
+        if draft_kind == "self":
+            layer_params = params.replace(layers=params.layers[:draft_layers])
+            drafts, q, kv = run(layer_params, kv, dconfig=config, steps=gamma)
+        else:  # one extra step writes the last proposal's KV for the next cycle
+            drafts, q, draft_kv = run(draft_params, draft_kv, dconfig=draft_config,
+                                      steps=gamma + 1)
+            drafts, q = drafts[:, :gamma], q[:, :gamma]
+    offs = jnp.arange(gamma + 1, dtype=jnp.int32)
+    tokens = jnp.concatenate([last[:, None], drafts], axis=1)
+    hidden, kv = forward(params, kv, tokens, positions[:, None] + offs,
+                         offs <= num_draft[:, None], block_tables, config=config,
+                         attn_impl=attn_impl)
+    logits = lm_head(params, hidden).reshape(batch * (gamma + 1), vocab)
+    per_position = jax.tree.map(lambda a: jnp.repeat(a, gamma + 1), sampling)
+    p = _probs(logits, per_position, greedy_only, filtered).reshape(batch, gamma + 1, vocab)
+    if method == "exact":
+        accepted, nxt = jax.vmap(lambda k, d, qq, pp, n: accept_block(
+            k, d[None], qq[None], pp[None], n[None]))(k_accept, drafts, q, p, num_draft)
+        return accepted[:, 0], nxt[:, 0], drafts, jnp.zeros(batch), kv, draft_kv
+    pick = lambda probs: jnp.take_along_axis(probs, drafts[..., None], -1)[..., 0]  # noqa: E731
+    increment = block_increment(jnp.log(jnp.maximum(pick(p[:, :gamma]), 1e-30)),
+                                jnp.log(jnp.maximum(pick(q), 1e-30)),
+                                mask=jnp.arange(gamma) < num_draft[:, None], alpha=alpha)
+    bonus = _draw(k_accept, jnp.take_along_axis(p, num_draft[:, None, None], 1)[:, 0])
+    return num_draft, bonus, drafts, increment, kv, draft_kv
+
+
+class SpecSteps:
+    """The jitted cycle of one target model, compiled per (rows, table width, gamma,
+    draft, method, sampling flags); the target's and the draft's KV are donated."""
+
+    def __init__(self, config: ModelConfig, attn_impl: str = "auto"):
+        self._cycle = jax.jit(partial(_cycle, config=config, attn_impl=attn_impl),
+                              donate_argnames=("kv", "draft_kv"),
+                              static_argnames=("draft_config", "gamma", "draft_kind",
+                                               "draft_layers", "method", "alpha",
+                                               "greedy_only", "filtered"))
+
+    def cycle(self, params, kv, draft: Draft, draft_kv, last, positions, proposed, num_draft,
+              block_tables, sampling, salt, *, gamma: int, method: str, alpha: float,
+              greedy_only: bool, filtered: bool):
+        model = draft if isinstance(draft, ModelDraft) else None
+        return self._cycle(params, kv, model.params if model else None, draft_kv, last,
+                           positions, proposed, num_draft, block_tables, sampling, salt,
+                           draft_config=model.config if model else None, gamma=gamma,
+                           draft_kind=draft.kind,
+                           draft_layers=draft.layers if isinstance(draft, LayerDraft) else 0,
+                           method=method, alpha=float(alpha), greedy_only=greedy_only,
+                           filtered=filtered)
+
+    def compilations(self) -> int:
+        return self._cycle._cache_size()
