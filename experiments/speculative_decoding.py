@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     config = tomllib.loads(Path(args.config).read_text())
     run = {**config["run"], **(config["quick"] if args.quick else {})}
     grid = config["quick_grid" if args.quick else "grid"]
-    started = datetime.now(timezone.utc)
+    started, git = datetime.now(timezone.utc), git_state()  # the code that ran
     t0 = time.perf_counter()
     model = xlr_jax.load_model("smollm2", dtype="float32", max_batch=run["max_batch"])
     prompts = workload_prompts(model, config["workloads"])
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     result = {
         "config_path": args.config, "config": config, "quick": args.quick, "settings": run,
         "started_utc": started.isoformat(), "wall_s": time.perf_counter() - t0,
-        "environment": environment(False), "git": git_state(),
+        "environment": environment(False), "git": git,
         "workloads": workloads, "llama_cpp": comparator,
         "targets": {"code_edit_best_speedup": {"value": best, "min": bound,
                                                "pass": best >= bound}},
