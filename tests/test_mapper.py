@@ -22,7 +22,7 @@ from xlr_jax.hardware import HardwareProfile, peaks, preset
 from xlr_jax.mapper import ExecutionPlan, particle_pages, particles_for
 from xlr_jax.registry import resolve_model
 from xlr_jax.roofline import PRESETS, estimate, weight_bytes_read
-from xlr_jax.sampling import SamplingParams
+from xlr_jax.sampling import SAMPLERS, SamplingParams
 from xlr_jax.weights import read_config
 
 GB = 10 ** 9
@@ -267,8 +267,9 @@ def test_compilations_never_exceed_the_buckets(warm):
     p = plan(PROFILES["cpu24"], TINY, Workload(max_batch=2, prefill_chunk=32), page_size=16)
     engine = Engine.from_plan(TINY, random_params(TINY, jnp.float32, 0), None, p)
     b = p.buckets
-    prefill_buckets = len(b.batch) * len(b.chunk) * len(b.pages) * 2  # x2: greedy or sampling
-    decode_buckets = len(b.batch) * len(b.pages) * 2
+    samplers = len(SAMPLERS)  # greedy, softmax, filtered
+    prefill_buckets = len(b.batch) * len(b.chunk) * len(b.pages) * samplers
+    decode_buckets = len(b.batch) * len(b.pages) * samplers
     if warm:
         report = engine.steps.warmup(engine.params, engine.kv, b, progress=False)
         assert len(report) == prefill_buckets + decode_buckets

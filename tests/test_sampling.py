@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 
 from xlr_jax import InvalidRequestError
-from xlr_jax.sampling import SamplingBatch, SamplingParams, sample
+from xlr_jax.sampling import SamplingBatch, SamplingParams, sample, sampler_for
 
 
-def draw(logits, n=400, **kw):
+def draw(logits, n=400, sampler=None, **kw):
     """Tokens drawn from one row of logits under n different steps."""
     params = SamplingParams(**kw)
     rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, len(logits)))
     batch = SamplingBatch.build([params] * n, list(range(n)), n)
-    return np.asarray(sample(rows, batch, greedy_only=False))
+    return np.asarray(sample(rows, batch, sampler=sampler or sampler_for([params])))
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def logits():
 def test_greedy_is_argmax(logits):
     assert (draw(logits, n=8, temperature=0.0) == logits.argmax()).all()
     batch = SamplingBatch.build([SamplingParams()], [0], 1)
-    assert int(sample(jnp.asarray(logits)[None], batch, greedy_only=True)[0]) == logits.argmax()
+    assert int(sample(jnp.asarray(logits)[None], batch, sampler="greedy")[0]) == logits.argmax()
 
 
 def test_top_k_restricts_support(logits):
@@ -49,21 +49,34 @@ def test_min_p_drops_unlikely_tokens(logits):
     assert got <= keep and len(got) > 1
 
 
-def test_temperature_matches_softmax_distribution(logits):
+@pytest.mark.parametrize("sampler", ["softmax", "filtered"])
+def test_temperature_matches_softmax_distribution(logits, sampler):
     n = 4000
-    got = draw(logits, n=n, temperature=0.7)
+    got = draw(logits, n=n, sampler=sampler, temperature=0.7)
     probs = np.asarray(jax.nn.softmax(jnp.asarray(logits) / 0.7))
     counts = np.bincount(got, minlength=len(logits)) / n
     assert 0.5 * np.abs(counts - probs).sum() < 0.05  # total variation
 
 
+def test_samplers_pick_the_cheapest_that_serves_the_batch():
+    greedy, plain, top_k = SamplingParams(), SamplingParams(temperature=1), SamplingParams(
+        temperature=1, top_k=5)
+    assert sampler_for([greedy, greedy]) == "greedy"
+    assert sampler_for([greedy, plain]) == "softmax"
+    assert sampler_for([plain, top_k]) == "filtered"
+    assert sampler_for([greedy, SamplingParams(top_k=5)]) == "greedy"  # filters unused at T=0
+
+
 def test_seeded_rows_do_not_depend_on_batch(logits):
+    """Alone a row takes the softmax sampler; beside a top-k row, the sorting one. It
+    draws the same token either way (400 steps)."""
     a = SamplingParams(temperature=1.0, seed=7)
-    b = SamplingParams(temperature=1.0, seed=8)
+    b = SamplingParams(temperature=1.0, seed=8, top_k=4)
     rows = jnp.asarray(np.stack([logits, logits[::-1]]))
-    together = sample(rows, SamplingBatch.build([a, b], [3, 3], 2), greedy_only=False)
-    alone = sample(rows[:1], SamplingBatch.build([a], [3], 1), greedy_only=False)
-    assert int(together[0]) == int(alone[0])
+    for step in range(400):
+        together = sample(rows, SamplingBatch.build([a, b], [step, step], 2), sampler="filtered")
+        alone = sample(rows[:1], SamplingBatch.build([a], [step], 1), sampler="softmax")
+        assert int(together[0]) == int(alone[0])
 
 
 @pytest.mark.parametrize("kw, word", [

@@ -230,3 +230,31 @@ def test_bad_speculative_requests_are_refused(model, spec, message):
 def test_a_draft_with_another_vocabulary_is_refused(model, tiny):
     with pytest.raises(InvalidRequestError, match="must share the tokenizer"):
         model.generate("Hello", max_tokens=4, speculative={"draft": str(tiny[0])})
+
+
+def test_benchmark_quick_writes_json_and_plot(tmp_path):
+    """experiments/speculative_decoding.py --quick: every method of the quick grid runs,
+    greedy exact SD equals greedy AR, sampled methods carry a log-likelihood, JSON + PNG."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments/speculative_decoding.py"
+    spec = importlib.util.spec_from_file_location("speculative_decoding", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
+    (out,) = tmp_path.glob("speculative_decoding-*.json")
+    result = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert result["git"]["sha"] and result["environment"]["jax_version"]
+    for w in result["workloads"].values():
+        rows = w["methods"]
+        assert {"ar_greedy", "ar_sampled", "exact_ngram_g4", "smc_ngram_n2_g4"} <= set(rows)
+        for name, row in rows.items():
+            assert row["decode_tokens_per_s"] > 0 and row["speedup_vs_ar"] > 0
+            if row["mode"] == "greedy" and row["spec"]:
+                assert row["equals_ar_greedy"], name
+            if row["mode"] == "sampled":
+                assert row["log_likelihood_per_token"] < 0
+    assert set(result["targets"]["code_edit_best_speedup"]) == {"value", "min", "pass"}

@@ -31,7 +31,7 @@ from xlr_jax.paged_kv import (PagedKV, PagePool, SequencePages, copy_pages, leav
                               read_pages, write_pages)
 from xlr_jax.prefix_cache import PrefixCache, tier_counts
 from xlr_jax.tier_store import TierStore
-from xlr_jax.sampling import SamplingBatch, SamplingParams
+from xlr_jax.sampling import SamplingBatch, SamplingParams, sampler_for
 from xlr_jax.spec_runner import SpecRunner
 from xlr_jax.speculative import Draft, SpecConfig, SpecSteps
 from xlr_jax.steps import Buckets, Steps, pick_bucket
@@ -394,8 +394,8 @@ class Engine:
                 yield r.index, piece, None
 
     def _sampling(self, reqs, rows, steps):
-        greedy_only = all(r.params.greedy for r in reqs)
-        return SamplingBatch.build([r.params for r in reqs], steps, rows), greedy_only
+        params = [r.params for r in reqs]
+        return SamplingBatch.build(params, steps, rows), sampler_for(params)
 
     def _block_tables(self, reqs, rows):
         width = pick_bucket(max(len(r.seq.pages) for r in reqs), self.buckets.pages)
@@ -422,10 +422,10 @@ class Engine:
                 tokens[j, :len(part)] = part
                 start[j], num_new[j] = r.prefilled, len(part)
             reqs_now = [r for _, r in todo]
-            sampling, greedy_only = self._sampling(reqs_now, rows, [0] * len(reqs_now))
+            sampling, sampler = self._sampling(reqs_now, rows, [0] * len(reqs_now))
             next_tokens, _, self.kv = self.steps.prefill(
                 self.params, self.kv, tokens, start, num_new,
-                self._block_tables(reqs_now, rows), sampling, greedy_only)
+                self._block_tables(reqs_now, rows), sampling, sampler)
             next_tokens = np.asarray(next_tokens)
             now = time.perf_counter()
             for j, (i, r) in enumerate(todo):
@@ -458,11 +458,11 @@ class Engine:
             r.seq.length += 1
         # the token drawn after position p is the (p + 1 - prompt)-th of its sequence
         steps = [int(positions[j]) + 1 - len(r.prompt_ids) for j, r in enumerate(reqs)]
-        sampling, greedy_only = self._sampling(reqs, rows, steps)
+        sampling, sampler = self._sampling(reqs, rows, steps)
         # always a device array: a numpy/device mix would double the dispatch cache
         next_tokens, _, self.kv = self.steps.decode(
             self.params, self.kv, jnp.asarray(tokens) if feed is None else feed, positions,
-            self._block_tables(reqs, rows), sampling, greedy_only)
+            self._block_tables(reqs, rows), sampling, sampler)
         return next_tokens
 
     def _settle(self, rows: list[_Request], device_tokens):

@@ -97,9 +97,15 @@ def _kept_sorted(logits, temperature, top_k, top_p, min_p):
 
 def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
     order, sorted_logits, keep = _kept_sorted(logits, temperature, top_k, top_p, min_p)
+    # back in vocabulary order: an unfiltered row draws exactly what `_draw_row` draws
+    masked = jnp.full_like(sorted_logits, -jnp.inf).at[order].set(
+        jnp.where(keep, sorted_logits, -jnp.inf))
+    return _draw_row(masked, 1.0, seed, step)
+
+
+def _draw_row(logits, temperature, seed, step):
     key = jax.random.fold_in(jax.random.key(seed), step)
-    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf))
-    return order[choice]
+    return jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
 
 
 def _filtered_probs_row(logits, temperature, top_k, top_p, min_p):
@@ -123,11 +129,25 @@ def token_probs(logits, temperature, top_k, top_p, min_p, *, filtered: bool):
     return jnp.where((temperature > 0)[:, None], probs, greedy)
 
 
-def sample(logits, batch: SamplingBatch, *, greedy_only: bool):
-    """Next token per row of `logits` [B, V]; `greedy_only` skips the sort entirely."""
+SAMPLERS = ("greedy", "softmax", "filtered")
+
+
+def sampler_for(params: list[SamplingParams]) -> str:
+    """The cheapest sampler a batch needs: argmax only, a plain softmax draw, or the
+    sorting one for top-k/top-p/min-p (a sort of the vocabulary per row)."""
+    if all(p.greedy for p in params):
+        return "greedy"
+    return "filtered" if any(p.filtered for p in params if not p.greedy) else "softmax"
+
+
+def sample(logits, batch: SamplingBatch, *, sampler: str):
+    """Next token per row of `logits` [B, V] with the static `sampler` (see sampler_for)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if greedy_only:
+    if sampler == "greedy":
         return greedy
-    drawn = jax.vmap(_sample_row)(logits, batch.temperature, batch.top_k, batch.top_p,
-                                  batch.min_p, batch.seed, batch.step).astype(jnp.int32)
-    return jnp.where(batch.temperature > 0, drawn, greedy)
+    if sampler == "softmax":
+        drawn = jax.vmap(_draw_row)(logits, batch.temperature, batch.seed, batch.step)
+    else:
+        drawn = jax.vmap(_sample_row)(logits, batch.temperature, batch.top_k, batch.top_p,
+                                      batch.min_p, batch.seed, batch.step)
+    return jnp.where(batch.temperature > 0, drawn.astype(jnp.int32), greedy)

@@ -88,13 +88,12 @@ class SpecRunner:
             e._apply_copies(r.seq.reserve(r.seq.length + budgets[j] + 1))
             positions[j], last[j] = r.seq.length, r.generated[-1]
             salt[j] = salts[j] if salts else 0
-        sampling, greedy_only = e._sampling(rows, n, [len(r.generated) for r in rows])
-        filtered = not greedy_only and any(r.params.filtered for r in rows)
+        sampling, sampler = e._sampling(rows, n, [len(r.generated) for r in rows])
         name = self.draft.name if isinstance(self.draft, ModelDraft) else None
         accepted, nxt, drafts, increment, e.kv, draft_kv = e.spec_steps.cycle(
             e.params, e.kv, self.draft, e.draft_kvs.get(name), last, positions, proposed,
             num_draft, e._block_tables(rows, n), sampling, salt, gamma=gamma, method=method,
-            alpha=spec.alpha, greedy_only=greedy_only, filtered=filtered)
+            alpha=spec.alpha, sampler=sampler)
         if name:
             e.draft_kvs[name] = draft_kv
         accepted, nxt, drafts = np.asarray(accepted), np.asarray(nxt), np.asarray(drafts)

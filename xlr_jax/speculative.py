@@ -172,11 +172,11 @@ def _row_keys(sampling: SamplingBatch, salt):
     return keys[:, 0], keys[:, 1]
 
 
-def _probs(logits, sampling: SamplingBatch, greedy_only: bool, filtered: bool):
-    if greedy_only:
+def _probs(logits, sampling: SamplingBatch, sampler: str):
+    if sampler == "greedy":
         return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
     return token_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p,
-                       sampling.min_p, filtered=filtered)
+                       sampling.min_p, filtered=sampler == "filtered")
 
 
 def _draw(keys, probs):
@@ -185,7 +185,7 @@ def _draw(keys, probs):
 
 
 def _run_draft(dparams, dkv, last, positions, num_draft, block_tables, sampling, keys, *,
-               dconfig, attn_impl, steps, greedy_only, filtered):
+               dconfig, attn_impl, steps, sampler):
     """`steps` single-token draft steps from `last`; returns tokens [B, steps],
     their draft probabilities [B, steps, V] and the draft's KV."""
     def step(carry, j):
@@ -193,7 +193,7 @@ def _run_draft(dparams, dkv, last, positions, num_draft, block_tables, sampling,
         hidden, kv = forward(dparams, kv, token[:, None], (positions + j)[:, None],
                              (j <= num_draft)[:, None], block_tables, config=dconfig,
                              attn_impl=attn_impl)
-        q = _probs(lm_head(dparams, hidden[:, 0]), sampling, greedy_only, filtered)
+        q = _probs(lm_head(dparams, hidden[:, 0]), sampling, sampler)
         drawn = _draw(jax.vmap(lambda k: jax.random.fold_in(k, j))(keys), q)
         return (kv, drawn), (drawn, q)
 
@@ -204,7 +204,7 @@ def _run_draft(dparams, dkv, last, positions, num_draft, block_tables, sampling,
 def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed, num_draft,
            block_tables, sampling: SamplingBatch, salt, *, config: ModelConfig,
            draft_config: ModelConfig | None, attn_impl: str, gamma: int, draft_kind: str,
-           draft_layers: int, method: str, alpha: float, greedy_only: bool, filtered: bool):
+           draft_layers: int, method: str, alpha: float, sampler: str):
     """One speculative cycle for rows [B] whose next position is `positions` and whose
     last sampled token `last` is not yet in the KV. `num_draft` [B] <= gamma limits
     each row's proposals (token budget, or fewer n-gram proposals in `proposed`).
@@ -221,7 +221,7 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
     else:
         run = partial(_run_draft, last=last, positions=positions, num_draft=num_draft,
                       block_tables=block_tables, sampling=sampling, keys=k_draft,
-                      attn_impl=attn_impl, greedy_only=greedy_only, filtered=filtered)
+                      attn_impl=attn_impl, sampler=sampler)
         if draft_kind == "self":
             layer_params = params.replace(layers=params.layers[:draft_layers])
             drafts, q, kv = run(layer_params, kv, dconfig=config, steps=gamma)
@@ -236,7 +236,7 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
                          attn_impl=attn_impl)
     logits = lm_head(params, hidden).reshape(batch * (gamma + 1), vocab)
     per_position = jax.tree.map(lambda a: jnp.repeat(a, gamma + 1), sampling)
-    p = _probs(logits, per_position, greedy_only, filtered).reshape(batch, gamma + 1, vocab)
+    p = _probs(logits, per_position, sampler).reshape(batch, gamma + 1, vocab)
     if method == "exact":
         accepted, nxt = jax.vmap(lambda k, d, qq, pp, n: accept_block(
             k, d[None], qq[None], pp[None], n[None]))(k_accept, drafts, q, p, num_draft)
@@ -258,19 +258,18 @@ class SpecSteps:
                               donate_argnames=("kv", "draft_kv"),
                               static_argnames=("draft_config", "gamma", "draft_kind",
                                                "draft_layers", "method", "alpha",
-                                               "greedy_only", "filtered"))
+                                               "sampler"))
 
     def cycle(self, params, kv, draft: Draft, draft_kv, last, positions, proposed, num_draft,
               block_tables, sampling, salt, *, gamma: int, method: str, alpha: float,
-              greedy_only: bool, filtered: bool):
+              sampler: str):
         model = draft if isinstance(draft, ModelDraft) else None
         return self._cycle(params, kv, model.params if model else None, draft_kv, last,
                            positions, proposed, num_draft, block_tables, sampling, salt,
                            draft_config=model.config if model else None, gamma=gamma,
                            draft_kind=draft.kind,
                            draft_layers=draft.layers if isinstance(draft, LayerDraft) else 0,
-                           method=method, alpha=float(alpha), greedy_only=greedy_only,
-                           filtered=filtered)
+                           method=method, alpha=float(alpha), sampler=sampler)
 
     def compilations(self) -> int:
         return self._cycle._cache_size()

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from xlr_jax.config import ModelConfig
 from xlr_jax.model import Params, forward, lm_head
 from xlr_jax.paged_kv import PagedKV
-from xlr_jax.sampling import SamplingBatch, sample
+from xlr_jax.sampling import SAMPLERS, SamplingBatch, sample
 
 
 def pick_bucket(n: int, sizes: tuple[int, ...]) -> int:
@@ -39,7 +39,7 @@ class Buckets:
 
 def _prefill(params: Params, kv: PagedKV, tokens, start, num_new, block_tables,
              sampling: SamplingBatch, *, config: ModelConfig, attn_impl: str,
-             greedy_only: bool):
+             sampler: str):
     """Append chunk `tokens` [B, T] after `start` [B]; sample after each row's last token."""
     batch, chunk = tokens.shape
     offs = jnp.arange(chunk, dtype=jnp.int32)
@@ -49,18 +49,18 @@ def _prefill(params: Params, kv: PagedKV, tokens, start, num_new, block_tables,
                          config=config, attn_impl=attn_impl)
     last = hidden[jnp.arange(batch), jnp.maximum(num_new - 1, 0)]
     logits = lm_head(params, last)
-    return sample(logits, sampling, greedy_only=greedy_only), logits, kv
+    return sample(logits, sampling, sampler=sampler), logits, kv
 
 
 def _decode(params: Params, kv: PagedKV, tokens, positions, block_tables,
             sampling: SamplingBatch, *, config: ModelConfig, attn_impl: str,
-            greedy_only: bool):
+            sampler: str):
     """Append one token per row at `positions` [B]; sample the next."""
     hidden, kv = forward(params, kv, tokens[:, None], positions[:, None],
                          jnp.ones_like(tokens, bool)[:, None], block_tables,
                          config=config, attn_impl=attn_impl)
     logits = lm_head(params, hidden[:, 0])
-    return sample(logits, sampling, greedy_only=greedy_only), logits, kv
+    return sample(logits, sampling, sampler=sampler), logits, kv
 
 
 def _all_logits(params: Params, kv: PagedKV, tokens, start, num_new, block_tables, *,
@@ -87,37 +87,37 @@ class Steps:
         # counts (and owns) only its own compilations
         fixed = dict(config=config, attn_impl=attn_impl)
         self._prefill = jax.jit(partial(_prefill, **fixed), donate_argnames="kv",
-                                static_argnames="greedy_only")
+                                static_argnames="sampler")
         self._decode = jax.jit(partial(_decode, **fixed), donate_argnames="kv",
-                               static_argnames="greedy_only")
+                               static_argnames="sampler")
         self._all_logits = jax.jit(partial(_all_logits, **fixed), donate_argnames="kv")
         self._aot: dict[tuple, jax.stages.Compiled] = {}
 
-    def prefill(self, params, kv, tokens, start, num_new, block_tables, sampling, greedy_only):
+    def prefill(self, params, kv, tokens, start, num_new, block_tables, sampling, sampler):
         args = (params, kv, tokens, start, num_new, block_tables, sampling)
-        exe = self._aot.get(("prefill", tokens.shape, block_tables.shape[1], greedy_only))
-        return exe(*args) if exe else self._prefill(*args, greedy_only=greedy_only)
+        exe = self._aot.get(("prefill", tokens.shape, block_tables.shape[1], sampler))
+        return exe(*args) if exe else self._prefill(*args, sampler=sampler)
 
-    def decode(self, params, kv, tokens, positions, block_tables, sampling, greedy_only):
+    def decode(self, params, kv, tokens, positions, block_tables, sampling, sampler):
         args = (params, kv, tokens, positions, block_tables, sampling)
-        exe = self._aot.get(("decode", tokens.shape, block_tables.shape[1], greedy_only))
-        return exe(*args) if exe else self._decode(*args, greedy_only=greedy_only)
+        exe = self._aot.get(("decode", tokens.shape, block_tables.shape[1], sampler))
+        return exe(*args) if exe else self._decode(*args, sampler=sampler)
 
     def all_logits(self, params, kv, tokens, start, num_new, block_tables):
         return self._all_logits(params, kv, tokens, start, num_new, block_tables)
 
     def warmup(self, params, kv, buckets: Buckets, progress: bool = True) -> list[dict]:
-        """Compile prefill and decode for every bucket combination (greedy-only and
-        sampling variants); returns each compile's shapes and seconds."""
-        jobs = [("decode", (rows,), width, greedy)
-                for rows in buckets.batch for width in buckets.pages for greedy in (True, False)]
-        jobs += [("prefill", (rows, chunk), width, greedy)
+        """Compile prefill and decode for every bucket combination and sampler (see
+        sampling.SAMPLERS); returns each compile's shapes and seconds."""
+        jobs = [("decode", (rows,), width, sampler)
+                for rows in buckets.batch for width in buckets.pages for sampler in SAMPLERS]
+        jobs += [("prefill", (rows, chunk), width, sampler)
                  for rows in buckets.batch for chunk in buckets.chunk
-                 for width in buckets.pages for greedy in (True, False)]
+                 for width in buckets.pages for sampler in SAMPLERS]
         report = []
-        for kind, shape, width, greedy in tqdm(jobs, desc="Compiling buckets", unit="step",
-                                               disable=not progress or None, leave=False):
-            key = (kind, shape, width, greedy)
+        for kind, shape, width, sampler in tqdm(jobs, desc="Compiling buckets", unit="step",
+                                                disable=not progress or None, leave=False):
+            key = (kind, shape, width, sampler)
             if key in self._aot:
                 continue
             rows = shape[0]
@@ -126,13 +126,13 @@ class Steps:
             start = time.perf_counter()
             if kind == "decode":
                 lowered = self._decode.lower(params, kv, ints(rows), ints(rows), ints(rows, width),
-                                             sampling, greedy_only=greedy)
+                                             sampling, sampler=sampler)
             else:
                 lowered = self._prefill.lower(params, kv, ints(*shape), ints(rows), ints(rows),
-                                              ints(rows, width), sampling, greedy_only=greedy)
+                                              ints(rows, width), sampling, sampler=sampler)
             self._aot[key] = lowered.compile()
             report.append({"step": kind, "batch": rows, "chunk": shape[1] if len(shape) > 1
-                           else 1, "pages": width, "greedy_only": greedy,
+                           else 1, "pages": width, "sampler": sampler,
                            "compile_s": time.perf_counter() - start})
         return report
 
