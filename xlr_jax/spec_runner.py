@@ -173,10 +173,13 @@ class SpecRunner:
                     log_z += float(inc)
                 log_w = np.array(new_w, np.float32)
                 live = [j for j, p in enumerate(particles) if p.finish_reason is None]
+                if not live:  # resampled onto finished particles only
+                    break
                 rows = [particles[j] for j in live]
                 counts.append(len(particles))
-                kept, increment = self._cycle(rows, "exact" if len(particles) == 1 else "smc",
-                                              salts=live)
+                single = len(particles) == 1  # plain exact speculation, unsalted
+                kept, increment = self._cycle(rows, "exact" if single else "smc",
+                                              salts=None if single else live)
                 log_w[live] += increment
                 now = time.perf_counter()
                 for p, toks in zip(rows, kept):
