@@ -177,7 +177,13 @@ def main(argv=None) -> int:
     model = xlr_jax.load_model("smollm2", dtype="float32", max_batch=run["max_batch"])
     prompts = workload_prompts(model, config["workloads"])
     methods = grid_methods(grid)
-    workloads = {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"speculative_decoding-{started.strftime('%Y%m%dT%H%M%SZ')}"
+    workloads: dict = {}
+    result = {"config_path": args.config, "config": config, "quick": args.quick,
+              "settings": run, "started_utc": started.isoformat(),
+              "environment": environment(False), "git": git, "workloads": workloads}
     for wname, ids in prompts.items():
         rows = {}
         for method in methods:
@@ -186,21 +192,16 @@ def main(argv=None) -> int:
                   f"  {row.get('accepted_per_pass', 1.0):5.2f} tokens/pass", flush=True)
         workloads[wname] = {"prompt_tokens": len(ids), "methods": rows,
                             "summary": summarize(rows)}
+        # written after each workload: a later crash keeps what was measured
+        result["wall_s"] = time.perf_counter() - t0
+        Path(f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     code_prompt = model.tokenizer.decode(prompts["code_edit"], skip_special_tokens=False)
-    comparator = llama_cpp_decode(resolve_model("smollm2"), code_prompt, run["max_tokens"])
     best = workloads["code_edit"]["summary"]["best_speedup_vs_ar"]
     bound = config["targets"]["code_edit_best_speedup_min"]
-    result = {
-        "config_path": args.config, "config": config, "quick": args.quick, "settings": run,
-        "started_utc": started.isoformat(), "wall_s": time.perf_counter() - t0,
-        "environment": environment(False), "git": git,
-        "workloads": workloads, "llama_cpp": comparator,
-        "targets": {"code_edit_best_speedup": {"value": best, "min": bound,
-                                               "pass": best >= bound}},
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"speculative_decoding-{started.strftime('%Y%m%dT%H%M%SZ')}"
+    result.update(
+        wall_s=time.perf_counter() - t0,
+        llama_cpp=llama_cpp_decode(resolve_model("smollm2"), code_prompt, run["max_tokens"]),
+        targets={"code_edit_best_speedup": {"value": best, "min": bound, "pass": best >= bound}})
     Path(f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, Path(f"{stem}.png"))
     for wname, w in workloads.items():

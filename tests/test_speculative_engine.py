@@ -176,6 +176,20 @@ def test_smc_runs_on_the_embedded_model(model):
     assert set(r.metrics["particles"]) <= {1, 2}
 
 
+def test_smc_particles_that_stop_early_end_cleanly(model):
+    """Particles hit a stop string at different cycles and freeze; resampling may land on
+    finished ones only. Every answer honours the stop and every page comes back."""
+    stops = 0
+    for seed in range(6):
+        r = model.generate("List three fruits, one per line:\n1.", max_tokens=40,
+                           temperature=1.0, seed=seed, stop=["\n"], speculative={
+                               "method": "smc", "draft": "self:24", "gamma": 3, "particles": 4})
+        assert "\n" not in r.text and r.finish_reason in ("stop", "length")
+        stops += r.finish_reason == "stop"
+    assert stops > 0
+    assert model.engine.pool.refcounts.sum() == 0
+
+
 def test_rollback_keeps_the_page_pool_consistent():
     """1,000 random cycles of reserve -> trim (rejections), forks (resampling) and releases:
     every page is free xor held, and its refcount is the number of sequences holding it."""
