@@ -57,3 +57,15 @@ def test_help_explains_commands():
     assert proc.returncode == 0
     for word in ("generate", "chat", "info", "bench"):
         assert word in proc.stdout
+
+
+def test_generate_with_spec_matches_the_api(model, cache_dir):
+    proc = run_cli("generate", "--json", "--max-tokens", "12", "--cache-dir", str(cache_dir),
+                   "--spec", "exact,draft=ngram,gamma=4", "one two three one two three one")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    ref = model.generate("one two three one two three one", max_tokens=12)
+    assert out["token_ids"] == ref.token_ids
+    assert out["metrics"]["target_passes"] < len(ref.token_ids)  # it speculated
+    bad = run_cli("generate", "--spec", "exact,gamma=zero", "hi")
+    assert bad.returncode == 2 and "gamma=zero: not a number" in bad.stderr
