@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 import tomllib
@@ -157,55 +158,75 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def measure_workload(config: dict, run: dict, grid: dict, name: str) -> dict:
+    """Every method of the grid on one workload, in this process (see main)."""
+    import xlr_jax
+
+    model = xlr_jax.load_model("smollm2", dtype="float32", max_batch=run["max_batch"])
+    ids = workload_prompts(model, {name: config["workloads"][name]})[name]
+    rows = {}
+    for method in grid_methods(grid):
+        rows[method["name"]] = row = run_method(model, ids, method, run)
+        print(f"{name:>10} {method['name']:<26} {row['decode_tokens_per_s']:7.1f} tok/s"
+              f"  {row.get('accepted_per_pass', 1.0):5.2f} tokens/pass", flush=True)
+    return {"prompt_tokens": len(ids), "methods": rows,
+            "prompt_text": model.tokenizer.decode(ids, skip_special_tokens=False)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config", nargs="?", default=str(REPO / "experiments/speculative_decoding.toml"))
     ap.add_argument("--quick", action="store_true", help="tiny sizes and grid: a smoke test")
     ap.add_argument("--out", default=str(REPO / "experiments/results"), help="results folder")
+    ap.add_argument("--workload", help=argparse.SUPPRESS)  # internal: one workload's process
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(REPO))
-    import xlr_jax
     from xlr_jax.bench import environment, git_state
     from xlr_jax.registry import resolve_model
 
     config = tomllib.loads(Path(args.config).read_text())
     run = {**config["run"], **(config["quick"] if args.quick else {})}
     grid = config["quick_grid" if args.quick else "grid"]
-    started, git = datetime.now(timezone.utc), git_state()  # the code that ran
-    t0 = time.perf_counter()
-    model = xlr_jax.load_model("smollm2", dtype="float32", max_batch=run["max_batch"])
-    prompts = workload_prompts(model, config["workloads"])
-    methods = grid_methods(grid)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.workload:
+        part = measure_workload(config, run, grid, args.workload)
+        (out / f"part-{args.workload}.json").write_text(json.dumps(part))
+        return 0
+
+    started, git = datetime.now(timezone.utc), git_state()  # the code that ran
+    t0 = time.perf_counter()
     stem = out / f"speculative_decoding-{started.strftime('%Y%m%dT%H%M%SZ')}"
     workloads: dict = {}
     result = {"config_path": args.config, "config": config, "quick": args.quick,
               "settings": run, "started_utc": started.isoformat(),
               "environment": environment(False), "git": git, "workloads": workloads}
-    for wname, ids in prompts.items():
-        rows = {}
-        for method in methods:
-            rows[method["name"]] = row = run_method(model, ids, method, run)
-            print(f"{wname:>10} {method['name']:<26} {row['decode_tokens_per_s']:7.1f} tok/s"
-                  f"  {row.get('accepted_per_pass', 1.0):5.2f} tokens/pass", flush=True)
-        workloads[wname] = {"prompt_tokens": len(ids), "methods": rows,
-                            "summary": summarize(rows)}
-        # written after each workload: a later crash keeps what was measured
+    prompt_text = {}
+    for name in config["workloads"]:
+        # one process per workload: a single process compiling every step variant of the
+        # whole grid ran out of LLVM code memory (method 37 of 46)
+        command = [sys.executable, __file__, args.config, "--out", str(out), "--workload", name]
+        subprocess.run(command + (["--quick"] if args.quick else []), check=True)
+        part_path = out / f"part-{name}.json"
+        part = json.loads(part_path.read_text())
+        part_path.unlink()
+        prompt_text[name] = part.pop("prompt_text")
+        workloads[name] = {**part, "summary": summarize(part["methods"])}
+        # written after each workload: a later failure keeps what was measured
         result["wall_s"] = time.perf_counter() - t0
         Path(f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    code_prompt = model.tokenizer.decode(prompts["code_edit"], skip_special_tokens=False)
     best = workloads["code_edit"]["summary"]["best_speedup_vs_ar"]
     bound = config["targets"]["code_edit_best_speedup_min"]
     result.update(
         wall_s=time.perf_counter() - t0,
-        llama_cpp=llama_cpp_decode(resolve_model("smollm2"), code_prompt, run["max_tokens"]),
+        llama_cpp=llama_cpp_decode(resolve_model("smollm2"), prompt_text["code_edit"],
+                                   run["max_tokens"]),
         targets={"code_edit_best_speedup": {"value": best, "min": bound, "pass": best >= bound}})
     Path(f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, Path(f"{stem}.png"))
-    for wname, w in workloads.items():
-        print(f"{wname}: best {w['summary']['best_method']} "
+    for name, w in workloads.items():
+        print(f"{name}: best {w['summary']['best_method']} "
               f"x{w['summary']['best_speedup_vs_ar']:.2f} vs AR")
     print(f"target code_edit best speedup >= {bound}: {best:.2f} "
           f"{'PASS' if best >= bound else 'FAIL'}")

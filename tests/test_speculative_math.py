@@ -8,8 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xlr_jax.drafts import ngram_propose
-from xlr_jax.smc import (block_increment, ess, log_mean_weight, maybe_resample, normalized,
-                         resample)
+from xlr_jax.smc import block_increment, ess, log_mean_weight, normalized, resample
 from xlr_jax.spec_sampling import accept_block
 
 V = 4
@@ -92,24 +91,31 @@ def test_weight_update_against_a_hand_computation():
 
 
 def test_draft_equal_to_target_never_resamples():
+    """p / q = 1: the weights stay equal, so the ESS stays N, never under any threshold."""
     n, key = 8, jax.random.key(3)
     log_w = jnp.zeros(n)
     logp = jnp.log(jax.random.uniform(key, (n, 4), minval=0.05, maxval=1.0))
     for _ in range(5):
-        log_w = log_w + block_increment(logp, logp)   # p / q = 1
-        key, sub = jax.random.split(key)
-        ancestors, log_w, did, inc = maybe_resample(sub, log_w, 0.5)
-        assert not bool(did) and float(inc) == 0.0
-        np.testing.assert_array_equal(np.asarray(ancestors), np.arange(n))
-    assert float(ess(log_w)) == pytest.approx(n)
+        log_w = log_w + block_increment(logp, logp)
+        assert float(ess(log_w)) == pytest.approx(n)
+        assert float(log_mean_weight(log_w)) == 0.0
+    np.testing.assert_array_equal(np.asarray(log_w), 0.0)
 
 
 def test_degenerate_weights_resample_to_the_heavy_particle():
     log_w = jnp.array([0.0, -30.0, -30.0, -30.0])
-    ancestors, new_w, did, inc = maybe_resample(jax.random.key(4), log_w, 0.5)
-    assert bool(did) and np.all(np.asarray(ancestors) == 0)
-    np.testing.assert_array_equal(np.asarray(new_w), 0.0)
-    assert float(inc) == pytest.approx(float(log_mean_weight(log_w)))
+    assert float(ess(log_w)) < 0.5 * 4
+    for method in ("systematic", "multinomial"):
+        assert np.all(np.asarray(resample(jax.random.key(4), log_w, method)) == 0)
+
+
+def test_resampling_grows_or_shrinks_the_population():
+    log_w = jnp.log(jnp.array([0.5, 0.5]))
+    grown = np.asarray(resample(jax.random.key(5), log_w, num=8))
+    assert grown.shape == (8,) and np.bincount(grown, minlength=2).tolist() == [4, 4]
+    shrunk = np.asarray(resample(jax.random.key(6), jnp.log(jnp.array([0.7, 0.1, 0.1, 0.1])),
+                                 num=1))
+    assert shrunk.shape == (1,) and 0 <= int(shrunk[0]) < 4
 
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():

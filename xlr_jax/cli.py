@@ -35,7 +35,7 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--stop", action="append", default=None,
                    help="stop string (repeatable); not included in the output")
-    p.add_argument("--spec", default=None, metavar="METHOD[,KEY=VALUE...]",
+    p.add_argument("--spec", default=None, type=_spec, metavar="METHOD[,KEY=VALUE...]",
                    help="speculative decoding: 'exact' (the model's own distribution; greedy "
                         "gives the same tokens) or 'smc' (particles, needs --temperature > 0), "
                         "then optional draft=ngram|self:K|PATH, gamma=G, particles=auto|N, "
@@ -55,12 +55,20 @@ def _load(args):
     return model
 
 
-def _sampling_kwargs(args) -> dict:
+def _spec(text: str) -> dict:
+    """--spec parsed and validated while the arguments are read, before the model loads."""
     from xlr_jax.speculative import SpecConfig
 
+    try:
+        return SpecConfig.from_cli(text)
+    except XlrError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _sampling_kwargs(args) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                 top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
-                speculative=SpecConfig.from_cli(args.spec) if args.spec else None)
+                speculative=args.spec)
 
 
 def _print_metrics(metrics: dict) -> None:
@@ -191,8 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if getattr(args, "spec", None):  # a bad --spec is reported before the model loads
-            _sampling_kwargs(args)
         return args.func(args)
     except XlrError as e:
         print(f"error: {e}", file=sys.stderr)

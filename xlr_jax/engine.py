@@ -479,18 +479,24 @@ class Engine:
             seq = SequencePages(self.pool)
             try:
                 seq.reserve(len(ids))
-                chunk = self.buckets.chunk[-1]
-                out = []
-                for s in range(0, len(ids), chunk):
-                    part = ids[s:s + chunk]
-                    width = pick_bucket(len(part), self.buckets.chunk)
-                    tokens = np.zeros((1, width), np.int32)
-                    tokens[0, :len(part)] = part
-                    table = seq.block_table(pick_bucket(len(seq.pages), self.buckets.pages))
-                    logits, self.kv = self.steps.all_logits(
-                        self.params, self.kv, tokens, np.array([s], np.int32),
-                        np.array([len(part)], np.int32), table[None])
-                    out.append(np.asarray(logits[0, :len(part)]))
-                return np.concatenate(out)
+                chunks, self.kv = self.prefill_all(self.steps, self.params, self.kv, ids, seq)
+                return np.concatenate([np.asarray(c) for c in chunks])
             finally:
                 seq.release()
+
+    def prefill_all(self, steps: Steps, params, kv: PagedKV, ids: list[int],
+                    seq: SequencePages) -> tuple[list, PagedKV]:
+        """Write `ids` from position 0 into `seq`'s pages of `kv`, chunk by chunk, with
+        `steps`/`params` (the target's, or a draft model's for its own KV); returns
+        each chunk's logits on the device and the new KV."""
+        chunk = self.buckets.chunk[-1]
+        table = seq.block_table(pick_bucket(len(seq.pages), self.buckets.pages))[None]
+        out = []
+        for s in range(0, len(ids), chunk):
+            part = ids[s:s + chunk]
+            tokens = np.zeros((1, pick_bucket(len(part), self.buckets.chunk)), np.int32)
+            tokens[0, :len(part)] = part
+            logits, kv = steps.all_logits(params, kv, tokens, np.array([s], np.int32),
+                                          np.array([len(part)], np.int32), table)
+            out.append(logits[0, :len(part)])
+        return out, kv

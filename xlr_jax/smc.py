@@ -60,27 +60,6 @@ def resample(key, log_w, method: str = "systematic", num: int | None = None):
     return jnp.searchsorted(cdf, points, side="right").astype(jnp.int32).clip(0, w.shape[0] - 1)
 
 
-@partial(jax.jit, static_argnames=("method", "num"))
-def maybe_resample(key, log_w, threshold: float = 0.5, method: str = "systematic",
-                   num: int | None = None):
-    """(ancestors, new log-weights, resampled?, log-normalizer increment).
-
-    Resamples when ESS < threshold * N, or always when the population changes size to
-    `num`; otherwise ancestors are the identity and the weights carry over (no
-    increment yet: it is taken at the next resample or the end).
-    """
-    n = log_w.shape[0]
-    if num is not None and num != n:
-        return (resample(key, log_w, method, num), jnp.zeros(num, log_w.dtype),
-                jnp.bool_(True), log_mean_weight(log_w))
-    do = ess(log_w) < threshold * n
-    drawn = resample(key, log_w, method)
-    ancestors = jnp.where(do, drawn, jnp.arange(n, dtype=jnp.int32))
-    increment = jnp.where(do, log_mean_weight(log_w), 0.0)
-    new_log_w = jnp.where(do, jnp.zeros_like(log_w), log_w)
-    return ancestors, new_log_w, do, increment
-
-
 def pick_answer(key, log_w):
     """The particle returned as the answer: one drawn in proportion to its weight."""
     return jax.random.categorical(key, log_w)

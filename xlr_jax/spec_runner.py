@@ -23,7 +23,7 @@ import numpy as np
 from xlr_jax.errors import InvalidRequestError
 from xlr_jax.mapper import particles_for, powers_of_two_upto
 from xlr_jax.paged_kv import PagedKV
-from xlr_jax.smc import ess, log_mean_weight, maybe_resample, pick_answer
+from xlr_jax.smc import ess, log_mean_weight, pick_answer, resample
 from xlr_jax.speculative import Draft, ModelDraft, SpecConfig
 from xlr_jax.steps import Steps, pick_bucket
 
@@ -161,17 +161,16 @@ class SpecRunner:
                 n = self._particle_count(req, particles)
                 if not (degenerate or cycle == 0):
                     n = min(n, len(particles))
-                ancestors, new_w, did, inc = maybe_resample(
-                    jax.random.fold_in(key, cycle), log_w, spec.ess_threshold, spec.resampler,
-                    num=n)
-                if bool(did):
+                if degenerate or n != len(particles):  # re-point block tables: fork
+                    ancestors = resample(jax.random.fold_in(key, cycle), log_w, spec.resampler,
+                                         num=n)
                     old = particles
                     particles = [old[a].fork() for a in np.asarray(ancestors)]
                     for p in old:
                         p.seq.release()
                     resamples += degenerate  # a change of N alone is not an ESS resample
-                    log_z += float(inc)
-                log_w = np.array(new_w, np.float32)
+                    log_z += float(log_mean_weight(log_w))
+                    log_w = np.zeros(n, np.float32)
                 live = [j for j, p in enumerate(particles) if p.finish_reason is None]
                 if not live:  # resampled onto finished particles only
                     break
@@ -208,15 +207,9 @@ class SpecRunner:
         if not isinstance(self.draft, ModelDraft):
             return
         e, name = self.engine, self.draft.name
-        steps, chunk = e.draft_steps[name], e.buckets.chunk[-1]
         for r in reqs:
-            for s in range(0, len(r.prompt_ids), chunk):
-                part = r.prompt_ids[s:s + chunk]
-                tokens = np.zeros((1, pick_bucket(len(part), e.buckets.chunk)), np.int32)
-                tokens[0, :len(part)] = part
-                _, e.draft_kvs[name] = steps.all_logits(
-                    self.draft.params, e.draft_kvs[name], tokens, np.array([s], np.int32),
-                    np.array([len(part)], np.int32), e._block_tables([r], 1))
+            _, e.draft_kvs[name] = e.prefill_all(e.draft_steps[name], self.draft.params,
+                                                 e.draft_kvs[name], r.prompt_ids, r.seq)
 
 
 def _summarize(r) -> None:

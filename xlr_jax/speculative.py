@@ -102,13 +102,13 @@ class SpecConfig:
         for pair in pairs:
             key, sep, value = pair.partition("=")
             if not sep:
-                raise InvalidRequestError(f"--spec item {pair!r} is not key=value")
+                raise InvalidRequestError(f"speculative item {pair!r} is not key=value")
             key, value = key.strip(), value.strip()
             try:
                 spec[key] = (int(value) if key == "gamma" or (key == "particles" and value != "auto")
                              else float(value) if key in ("alpha", "ess_threshold") else value)
             except ValueError:
-                raise InvalidRequestError(f"--spec {key}={value}: not a number") from None
+                raise InvalidRequestError(f"speculative {key}={value}: not a number") from None
         cls.parse(spec)  # validate here: the CLI reports a bad value before loading
         return spec
 
