@@ -5,6 +5,8 @@ of its grid, one model runs `warmup` runs (compiling) and then `repeats` measure
 figures are medians. Methods:
   ar_greedy, ar_sampled                  plain decoding
   exact_<draft>_g<G>                     exact SD, greedy: its tokens must equal ar_greedy's
+                                         (draft "truncated:K": a separate draft model,
+                                         the first K layers saved apart)
   exact_sampled_ngram_g<G>               exact SD at the sampling temperature
   smc_<draft>_n<N>_g<G>                  SMC-SD with N particles (N = 1 is exact SD)
 Speedups compare a method with AR in the same mode (greedy with greedy, sampled with
@@ -158,17 +160,49 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def truncated_draft(folder: Path, layers: int) -> str:
+    """A separate draft model for the draft-model path: the embedded model's first `layers`
+    layers with its final norm and head, saved by transformers as safetensors (no other
+    model shares SmolLM2's tokenizer offline)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from xlr_jax.registry import resolve_model
+
+    path = folder / f"truncated-{layers}"
+    if not (path / "config.json").exists():
+        gguf = resolve_model("smollm2")
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                  dtype=torch.float32)
+        hf.config.num_hidden_layers = layers
+        small = type(hf)(hf.config)  # a GGUF-loaded model refuses to be saved: copy it
+        missing, _ = small.load_state_dict(hf.state_dict(), strict=False)  # drops layers >= K
+        if missing:
+            raise RuntimeError(f"truncated draft: weights not copied: {missing}")
+        small.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
 def measure_workload(config: dict, run: dict, grid: dict, name: str) -> dict:
-    """Every method of the grid on one workload, in this process (see main)."""
+    """Every method of the grid on one workload, in this process (see main). A draft
+    "truncated:K" is a separate model built here (see truncated_draft)."""
+    import tempfile
+
     import xlr_jax
 
     model = xlr_jax.load_model("smollm2", dtype="float32", max_batch=run["max_batch"])
     ids = workload_prompts(model, {name: config["workloads"][name]})[name]
     rows = {}
-    for method in grid_methods(grid):
-        rows[method["name"]] = row = run_method(model, ids, method, run)
-        print(f"{name:>10} {method['name']:<26} {row['decode_tokens_per_s']:7.1f} tok/s"
-              f"  {row.get('accepted_per_pass', 1.0):5.2f} tokens/pass", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        for method in grid_methods(grid):
+            spec = method["spec"]
+            if spec and spec["draft"].startswith("truncated:"):
+                path = truncated_draft(Path(scratch), int(spec["draft"].split(":")[1]))
+                spec = {**spec, "draft": path}
+            row = run_method(model, ids, {**method, "spec": spec}, run)
+            rows[method["name"]] = {**row, "spec": method["spec"]}
+            print(f"{name:>10} {method['name']:<26} {row['decode_tokens_per_s']:7.1f} tok/s"
+                  f"  {row.get('accepted_per_pass', 1.0):5.2f} tokens/pass", flush=True)
     return {"prompt_tokens": len(ids), "methods": rows,
             "prompt_text": model.tokenizer.decode(ids, skip_special_tokens=False)}
 
