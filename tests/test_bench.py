@@ -46,6 +46,12 @@ def test_quick_cpu_bench_writes_results(tmp_path):
     assert {"xlr-jax.decode_speedup_vs_transformers", "xlr-jax.roofline_fraction",
             "xlr-jax.ttft_ratio_vs_transformers"} <= data["targets"].keys()
     assert all(isinstance(t["pass"], bool) for t in data["targets"].values())
+    # every run prefills its whole prompt (no prefix cache), as transformers does
+    assert xlr["prefix_cache"] is False
+    # the ablation runs with XLA's defaults and is measured, not held to the targets
+    ablation = data["engines"]["xlr-jax-xla-defaults"]
+    assert ablation["compiler_options"] == {} and ablation["completion_tokens"] == decode
+    assert not any(name.startswith("xlr-jax-xla-defaults.") for name in data["targets"])
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the message shown without a GPU")

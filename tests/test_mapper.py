@@ -18,11 +18,11 @@ from xlr_jax import PlanError, Workload, plan, probe
 from xlr_jax.bench_runners import random_params
 from xlr_jax.config import ModelConfig
 from xlr_jax.engine import Engine
-from xlr_jax.hardware import HardwareProfile, peaks, preset
+from xlr_jax.hardware import HardwareProfile, peaks, preset, simd_bits
 from xlr_jax.mapper import ExecutionPlan, particle_pages, particles_for
 from xlr_jax.registry import resolve_model
 from xlr_jax.roofline import PRESETS, estimate, weight_bytes_read
-from xlr_jax.sampling import SAMPLERS, SamplingParams
+from xlr_jax.sampling import SAMPLERS, SamplingBatch, SamplingParams
 from xlr_jax.weights import read_config
 
 GB = 10 ** 9
@@ -69,6 +69,13 @@ def test_probe_measures_on_the_spot():
     hw = probe(measure=True)
     assert hw.peak_source == "measured" and not hw.notes
     assert 1 < hw.peak_bandwidth_gb_s < 1000 and 0.001 < hw.peak_tflops < 100
+
+
+def test_simd_width_from_cpu_flags():
+    assert simd_bits("fpu sse2 avx2 avx512f avx512bw") == 512
+    assert simd_bits("fpu sse2 avx avx2 fma") == 256
+    assert simd_bits("fpu sse2 sse4_2 avx512_vnni") == 128  # no avx512f: not AVX-512
+    assert simd_bits("") == 0
 
 
 def test_gpu_peaks_from_the_table_or_a_conservative_default(caplog):
@@ -132,6 +139,42 @@ def test_overrides_are_kept_and_quantized_kv_halves_page_bytes():
     assert p.reasons["page_size"] == "set by the caller"
     # int8 values plus one f32 scale per token and head, against bf16 values
     assert p.memory.page_bytes * 16 / 32 == pytest.approx(base.memory.page_bytes * (1 + 4 / 128) / 2)
+
+
+def test_avx512_cpus_compile_with_wide_vectors(smollm2):
+    wide = dataclasses.replace(PROFILES["cpu24"], cpu_vector_bits=512)
+    p = plan(wide, smollm2)
+    assert p.compiler_options == {"xla_cpu_prefer_vector_width": 512}
+    assert "AVX-512" in p.reasons["compiler_options"]
+    assert ExecutionPlan.from_json(p.to_json()) == p
+    for hw in (dataclasses.replace(PROFILES["cpu24"], cpu_vector_bits=256), PROFILES["gpu141"]):
+        assert plan(hw, smollm2).compiler_options == {}
+    off = plan(wide, smollm2, compiler_options={})
+    assert off.compiler_options == {} and off.reasons["compiler_options"] == "set by the caller"
+    with pytest.raises(PlanError, match="compiler_options must map XLA option names"):
+        plan(wide, smollm2, compiler_options={"xla_cpu_prefer_vector_width": [512]})
+
+
+def test_compiler_options_reach_xla_and_keep_the_tokens():
+    """The plan's XLA options are compiled into every step, and change no token: an
+    invalid value fails the compile, and wide vectors decode what XLA's defaults do."""
+    config = ModelConfig("llama", 256, 64, 2, 4, 2, 16, 128, 1e-5, 10000.0, 128,
+                         tie_embeddings=True)
+    params = random_params(config, jnp.float32, seed=3)
+
+    def engine(options):
+        return Engine(config, params, None, page_size=16, num_pages=20, max_batch=2,
+                      prefill_chunk=32, max_context=128, compiler_options=options)
+
+    bad = engine({"xla_cpu_prefer_vector_width": "wide"})
+    with pytest.raises(Exception, match="xla_cpu_prefer_vector_width"):
+        bad.steps.decode(bad.params, bad.kv, jnp.zeros(1, jnp.int32), np.zeros(1, np.int32),
+                         np.zeros((1, 2), np.int32), SamplingBatch.build([], [], 1), "greedy")
+    prompts = [[5, 9, 2, 77, 31], [100, 3, 3, 8]]
+    sampling = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
+    runs = [[d.token_ids for _, _, d in engine(o).run(prompts, sampling) if d is not None]
+            for o in ({"xla_cpu_prefer_vector_width": 512}, {})]
+    assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0])
 
 
 def test_load_model_uses_the_plan(tmp_path):

@@ -28,7 +28,8 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
                max_context: int | None = None, attn_impl: str = "auto",
                kv_dtype: str | None = None, hardware: HardwareProfile | None = None,
                prefix_cache: bool = True, cache_dir: str | os.PathLike | None = None,
-               params_cache: bool = True, compile_cache: bool = True) -> "Model":
+               params_cache: bool = True, compile_cache: bool = True,
+               compiler_options: dict | None = None) -> "Model":
     """Load a model: "smollm2" (embedded), a .gguf file or a Hugging Face directory.
 
     The Capability Mapper (`xlr_jax.plan`) chooses everything not given, from the
@@ -40,6 +41,8 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
     attn_impl: "auto" (Pallas on GPU, XLA on CPU), "pallas" or "xla".
     kv_dtype: KV page dtype (default: dtype); "int8" or "fp8" store quantized
     pages with per-token-per-head scales.
+    compiler_options: XLA options for every step ({} for XLA's defaults; default: the
+    plan's, e.g. 512-bit vectors on an AVX-512 CPU).
     prefix_cache: share the KV of repeated prompt prefixes (False: off, for ablations).
     cache_dir: where converted params, stable-tier KV (prefix/) and, with
     compile_cache, XLA executables are kept (default ~/.cache/xlr-jax); a second
@@ -56,7 +59,7 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
                      Workload(max_context=max_context, max_batch=max_batch,
                               prefill_chunk=prefill_chunk),
                      dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, num_pages=num_pages,
-                     attn_impl=attn_impl)
+                     attn_impl=attn_impl, compiler_options=compiler_options)
     cache_root = Path(cache_dir or default_cache_dir())
     cache = cache_root if params_cache else None
     if compile_cache and not jax.config.jax_compilation_cache_dir:

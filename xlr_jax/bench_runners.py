@@ -55,9 +55,16 @@ class XlrRunner:
 
 
 def load_xlr(spec: dict) -> XlrRunner:
-    model = load_model(spec["model"], dtype=spec.get("dtype"))
+    # prefix cache off by default: every run then prefills its whole prompt, as
+    # transformers does, so TTFT compares prefill with prefill
+    model = load_model(spec["model"], dtype=spec.get("dtype"),
+                       prefix_cache=spec.get("prefix_cache", False),
+                       compiler_options=spec.get("compiler_options"))
     info = {"model": spec["model"], "dtype": model.dtype, "param_bytes": model.engine.params.nbytes(),
-            "attn_impl": model.engine.steps.attn_impl}
+            "attn_impl": model.engine.steps.attn_impl,
+            "compiler_options": model.plan.compiler_options,
+            "prefix_cache": model.engine.prefix_cache is not None,
+            "check_targets": spec.get("check_targets", True)}
     return XlrRunner(spec.get("label", "xlr-jax"), model.engine, info)
 
 
@@ -85,7 +92,7 @@ def random_xlr(spec: dict) -> XlrRunner:
     engine = Engine(config, random_params(config, dtype, spec.get("seed", 0)), None,
                     page_size=page_size, num_pages=2 * -(-config.max_context // page_size) + 1,
                     max_batch=1, prefill_chunk=spec.get("prefill_chunk", 512),
-                    max_context=config.max_context, kv_dtype=dtype)
+                    max_context=config.max_context, kv_dtype=dtype, prefix_cache=False)
     info = {"model": f"random {config.architecture} weights", "dtype": dtype.name,
             "shape": spec["shape"], "param_bytes": engine.params.nbytes(),
             "attn_impl": engine.steps.attn_impl}

@@ -161,7 +161,7 @@ class Engine:
                  max_context: int, attn_impl: str = "auto", kv_dtype=jnp.float32,
                  buckets: Buckets | None = None, prefix_cache: bool = True,
                  cache_namespace: str = "", tier_store: TierStore | None = None,
-                 particle_cap: int = 4):
+                 particle_cap: int = 4, compiler_options: dict | None = None):
         self.config, self.params, self.tokenizer = config, params.per_layer(), tokenizer
         self.max_context = max_context
         self.max_batch = max_batch
@@ -173,8 +173,8 @@ class Engine:
         self.kv = PagedKV.create(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
                                  head_dim=config.head_dim, num_pages=num_pages,
                                  page_size=page_size, dtype=kv_dtype)
-        self.steps = Steps(config, attn_impl)
-        self.spec_steps = SpecSteps(config, attn_impl)
+        self.steps = Steps(config, attn_impl, compiler_options)
+        self.spec_steps = SpecSteps(config, attn_impl, compiler_options)
         self.particle_cap = particle_cap  # SMC particles at most (the plan's policy)
         self.draft_kvs: dict[str, PagedKV] = {}  # separate draft models' KV, by name
         self.draft_steps: dict[str, Steps] = {}
@@ -196,7 +196,8 @@ class Engine:
                    attn_impl=plan.attn_impl, kv_dtype=jnp.dtype(plan.kv_dtype),
                    buckets=plan.buckets, prefix_cache=prefix_cache,
                    cache_namespace=cache_namespace, tier_store=tier_store,
-                   particle_cap=plan.speculative.particle_cap)
+                   particle_cap=plan.speculative.particle_cap,
+                   compiler_options=plan.compiler_options)
 
     # ------------------------------------------------------------ validation
 

@@ -64,6 +64,7 @@ class HardwareProfile:
     peak_tflops: float            # the compute dtype's dense peak
     peak_source: str              # "table", "measured" or "default"
     notes: tuple[str, ...] = ()
+    cpu_vector_bits: int = 0      # the host CPU's widest SIMD registers; 0: unknown
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -108,7 +109,8 @@ def probe(measure: bool = False) -> HardwareProfile:
     spec, source, notes = peaks(name, backend, measure)
     return HardwareProfile(backend, name, jax.device_count(), total, free,
                            None if capability is None else str(capability), os.cpu_count() or 1,
-                           spec.bandwidth_gb_s, spec.tflops_bf16, source, notes)
+                           spec.bandwidth_gb_s, spec.tflops_bf16, source, notes,
+                           cpu_vector_bits())
 
 
 def peaks(name: str, backend: str, measure: bool = False) -> tuple[GpuSpec, str, tuple]:
@@ -200,11 +202,30 @@ def _host_memory() -> tuple[int, int]:
 
 
 def cpu_name() -> str:
+    return _cpuinfo_field("model name") or "cpu"
+
+
+def cpu_vector_bits() -> int:
+    """Width of the host CPU's widest SIMD registers (0: unknown, e.g. off Linux)."""
+    return simd_bits(_cpuinfo_field("flags") or "")
+
+
+def simd_bits(flags: str) -> int:
+    """From an x86 /proc/cpuinfo flags line: 512 with AVX-512F, 256 with AVX2, 128
+    otherwise; 0 for no flags."""
+    names = set(flags.split())
+    if not names:
+        return 0
+    return 512 if "avx512f" in names else 256 if "avx2" in names else 128
+
+
+def _cpuinfo_field(key: str) -> str | None:
+    """The first `key : value` of /proc/cpuinfo (None off Linux or without it)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.split(":", 1)[0].strip() == key:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return "cpu"
+    return None

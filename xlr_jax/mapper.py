@@ -78,6 +78,8 @@ class ExecutionPlan:
     attn_impl: str
     speculative: SpeculativePolicy
     memory: MemoryBudget
+    # XLA options every step is compiled with (jax.jit's compiler_options)
+    compiler_options: dict = field(default_factory=dict, hash=False)
     reasons: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
@@ -167,7 +169,8 @@ def activation_bytes(config: ModelConfig, max_batch: int, chunk: int, max_contex
 
 def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Workload(),
          *, dtype: str | None = None, kv_dtype: str | None = None, page_size: int | None = None,
-         num_pages: int | None = None, attn_impl: str = "auto") -> ExecutionPlan:
+         num_pages: int | None = None, attn_impl: str = "auto",
+         compiler_options: dict | None = None) -> ExecutionPlan:
     """The Execution Plan for `config` on `hardware`; keyword arguments override choices."""
     gpu = hardware.backend == "gpu"
     why: dict[str, str] = {}
@@ -213,6 +216,17 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                   "CPU: the XLA reference (Pallas runs only interpreted here)")
     if impl not in ATTN_IMPLS[1:]:
         raise PlanError(f"attn_impl {impl!r} is not supported; choose one of {ATTN_IMPLS}")
+
+    wide = not gpu and hardware.cpu_vector_bits >= 512
+    xla = choose("compiler_options", compiler_options,
+                 {"xla_cpu_prefer_vector_width": 512} if wide else {},
+                 "AVX-512 CPU: 512-bit vectors in XLA's own loops and matrix-vector products "
+                 "(decode measured 4% faster than the default 256)" if wide else
+                 "XLA's defaults")
+    if not isinstance(xla, dict) or not all(
+            isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in xla.items()):
+        raise PlanError(f"compiler_options must map XLA option names to values, e.g. "
+                        f"{{'xla_cpu_prefer_vector_width': 512}} (got {xla!r})")
 
     per_context = -(-context // ps)
     while True:
@@ -263,7 +277,7 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         kv_dtype=kv, page_size=ps, num_pages=pages, max_context=context, max_batch=batch,
         prefill_chunk=chunk, batch_buckets=batch_buckets, chunk_buckets=chunk_buckets,
         page_buckets=page_buckets, attn_impl=impl, speculative=spec, memory=memory,
-        reasons=why)
+        compiler_options=xla, reasons=why)
 
 
 def _named(value: str, names: dict, what: str) -> str:

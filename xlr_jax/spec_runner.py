@@ -41,7 +41,8 @@ class SpecRunner:
                 num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                 num_pages=engine.pool.num_pages, page_size=engine.pool.page_size,
                 dtype=kv.k.dtype)
-            engine.draft_steps[draft.name] = Steps(c, engine.steps.attn_impl)
+            engine.draft_steps[draft.name] = Steps(c, engine.steps.attn_impl,
+                                                  engine.steps.compiler_options)
 
     def loop(self, waiting, active):
         e, smc = self.engine, self.spec.method == "smc"

@@ -253,12 +253,14 @@ class SpecSteps:
     """The jitted cycle of one target model, compiled per (rows, table width, gamma,
     draft, method, sampling flags); the target's and the draft's KV are donated."""
 
-    def __init__(self, config: ModelConfig, attn_impl: str = "auto"):
+    def __init__(self, config: ModelConfig, attn_impl: str = "auto",
+                 compiler_options: dict | None = None):
         self._cycle = jax.jit(partial(_cycle, config=config, attn_impl=attn_impl),
                               donate_argnames=("kv", "draft_kv"),
                               static_argnames=("draft_config", "gamma", "draft_kind",
                                                "draft_layers", "method", "alpha",
-                                               "sampler"))
+                                               "sampler"),
+                              compiler_options=compiler_options or None)
 
     def cycle(self, params, kv, draft: Draft, draft_kv, last, positions, proposed, num_draft,
               block_tables, sampling, salt, *, gamma: int, method: str, alpha: float,

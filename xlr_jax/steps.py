@@ -81,16 +81,17 @@ class Steps:
     compiles nothing.
     """
 
-    def __init__(self, config: ModelConfig, attn_impl: str = "auto"):
+    def __init__(self, config: ModelConfig, attn_impl: str = "auto",
+                 compiler_options: dict | None = None):
         self.config, self.attn_impl = config, attn_impl
+        self.compiler_options = compiler_options or {}
         # config bound per instance: jit caches are per function object, so each Steps
         # counts (and owns) only its own compilations
         fixed = dict(config=config, attn_impl=attn_impl)
-        self._prefill = jax.jit(partial(_prefill, **fixed), donate_argnames="kv",
-                                static_argnames="sampler")
-        self._decode = jax.jit(partial(_decode, **fixed), donate_argnames="kv",
-                               static_argnames="sampler")
-        self._all_logits = jax.jit(partial(_all_logits, **fixed), donate_argnames="kv")
+        jit = partial(jax.jit, donate_argnames="kv", compiler_options=compiler_options or None)
+        self._prefill = jit(partial(_prefill, **fixed), static_argnames="sampler")
+        self._decode = jit(partial(_decode, **fixed), static_argnames="sampler")
+        self._all_logits = jit(partial(_all_logits, **fixed))
         self._aot: dict[tuple, jax.stages.Compiled] = {}
 
     def prefill(self, params, kv, tokens, start, num_new, block_tables, sampling, sampler):
