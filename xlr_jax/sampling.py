@@ -114,15 +114,18 @@ def _filtered_probs_row(logits, temperature, top_k, top_p, min_p):
     return jnp.zeros_like(kept).at[order].set(kept)
 
 
-def token_probs(logits, temperature, top_k, top_p, min_p, *, filtered: bool):
+def token_probs(logits, temperature, top_k, top_p, min_p, *, sampler: str):
     """The distribution `sample` draws from, as probabilities [R, V] for logits [R, V].
 
-    Greedy rows (temperature 0) are one-hot at the argmax; `filtered` (static) applies
-    top-k/top-p/min-p, which needs a sort, so callers pass False when no row uses them.
-    Speculative decoding compares these for the target and the draft.
+    Greedy rows (temperature 0) are one-hot at the argmax; the static `sampler` (see
+    sampler_for) skips the softmax when every row is greedy and the sort unless some
+    row uses top-k/top-p/min-p. Speculative decoding compares these for the target
+    and the draft.
     """
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    if filtered:
+    if sampler == "greedy":
+        return greedy
+    if sampler == "filtered":
         probs = jax.vmap(_filtered_probs_row)(logits, temperature, top_k, top_p, min_p)
     else:
         probs = jax.nn.softmax(logits / jnp.maximum(temperature, 1e-6)[:, None], axis=-1)
