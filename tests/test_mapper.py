@@ -18,7 +18,8 @@ from xlr_jax import PlanError, Workload, plan, probe
 from xlr_jax.bench_runners import random_params
 from xlr_jax.config import ModelConfig
 from xlr_jax.engine import Engine
-from xlr_jax.hardware import HardwareProfile, peaks, preset, simd_bits
+from xlr_jax.hardware import (KNOWN_GPUS, HardwareProfile, gpu_memory, gpu_spec,
+                              jax_preallocates, peaks, preset, simd_bits)
 from xlr_jax.mapper import ExecutionPlan, particle_pages, particles_for
 from xlr_jax.registry import resolve_model
 from xlr_jax.roofline import PRESETS, estimate, weight_bytes_read
@@ -85,6 +86,46 @@ def test_gpu_peaks_from_the_table_or_a_conservative_default(caplog):
     spec, source, notes = peaks("NVIDIA Imaginary 9000", "gpu")
     assert source == "default" and spec.bandwidth_gb_s <= 300
     assert "not in the GPU table" in notes[0] and "not in the GPU table" in caplog.text
+
+
+@pytest.mark.parametrize("name,key", [
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 PCIe", "H100 PCIe"),
+    ("NVIDIA GeForce RTX 4090", "RTX 4090"), ("NVIDIA A100-SXM4-40GB", "A100-SXM4-40GB"),
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA L40", "L40"), ("NVIDIA L40S", "L40S"),
+    ("NVIDIA L4", "L4"), ("NVIDIA A10", "A10"),
+    ("NVIDIA A10G", None), ("NVIDIA GH200 480GB", None)])  # not an A10, not an H200
+def test_gpu_names_match_whole_words_longest_key_first(name, key):
+    assert gpu_spec(name) is (KNOWN_GPUS[key] if key else None)
+
+
+def test_gpu_memory_is_what_the_jax_client_can_allocate():
+    """Fake readings: NVML (total, free) taken before JAX started and the device's
+    memory_stats(). A preallocated pool hides the GPU from NVML afterwards, so its limit
+    is the budget; on demand, NVML's free memory within the allocator's limit."""
+    nvml = (141 * GB, 139 * GB)
+    pool = {"bytes_limit": 105 * GB, "bytes_in_use": 2 * GB}
+    total, free, source = gpu_memory(nvml, pool, preallocated=True)
+    assert (total, free) == (141 * GB, 103 * GB) and "preallocated pool" in source
+    assert gpu_memory(nvml, pool, preallocated=False)[1:] == (
+        103 * GB, "JAX's allocator limit (below NVML's free memory)")
+    on_demand = gpu_memory((141 * GB, 20 * GB), pool, preallocated=False)  # others hold 121
+    assert on_demand == (141 * GB, 20 * GB, "NVML free memory before JAX started")
+    assert gpu_memory(nvml, None, preallocated=False)[1] == 139 * GB  # platform: no stats
+    assert gpu_memory(None, pool, preallocated=False)[:2] == (105 * GB, 103 * GB)  # no NVML
+    assert jax_preallocates({})  # JAX's default
+    assert not jax_preallocates({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    assert not jax_preallocates({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"})
+    assert jax_preallocates({"XLA_PYTHON_CLIENT_PREALLOCATE": "true"})
+
+
+def test_the_plan_budgets_from_the_probed_free_memory_and_says_where_it_came_from(smollm2):
+    total, free, source = gpu_memory((141 * GB, 30 * GB),  # NVML after a 75% pool: the rest
+                                     {"bytes_limit": 105 * GB, "bytes_in_use": 0}, True)
+    hw = dataclasses.replace(PROFILES["gpu141"], memory_total_bytes=total,
+                             memory_free_bytes=free, memory_source=source)
+    p = plan(hw, smollm2)
+    assert p.memory.device_bytes == 105 * GB
+    assert p.reasons["memory"] == f"budgeted from 105.00 GB free: {source}"
 
 
 # ---------------------------------------------------------------- plans

@@ -1,8 +1,8 @@
-"""The prefix cache: shared pages by content, LRU eviction, pinned stable tiers, counters, and
-greedy outputs identical with the cache on and off on the embedded model."""
+"""The prefix cache: shared pages by content, LRU eviction, pinned stable tiers, counters,
+greedy outputs identical with the cache on and off on the embedded model, and admission that
+never pins or restores pages promised to running requests."""
 import json
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -283,3 +283,89 @@ def test_volatile_pages_leave_the_cache_when_memory_is_tight(tmp_path, num_pages
     stable_pages = -(-r.metrics["stable_tokens"] // 16)  # its last page holds volatile too
     cached = model.prefix_cache.stats()["pages_cached"]
     assert cached == (written // 16 if volatile_cached else stable_pages)
+
+
+# ---------------------------------------------------------------- pages promised to runners
+
+PAGE = 4
+TIER = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]  # a stable tier of 2.5 pages: its last page is partial
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A 2-layer random Llama over 32 tokens, saved as safetensors (prompts are token ids)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                         vocab_size=32, max_position_embeddings=64, initializer_range=0.3,
+                         tie_word_embeddings=False)
+    LlamaForCausalLM(config).float().eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_tiny(path, cache_dir, **kw):
+    return xlr_jax.load_model(str(path), dtype="float32", params_cache=False,
+                              compile_cache=False, cache_dir=cache_dir, page_size=PAGE,
+                              max_batch=4, prefill_chunk=16, max_context=32, **kw)
+
+
+def idle_and_consistent(model, pinned: int) -> None:
+    """No page is held after a run; the idle ones are free, evictable or pinned."""
+    pool, cache = model.engine.pool, model.prefix_cache
+    assert not pool.refcounts.any()
+    assert cache.pinned_pages == pinned
+    assert pool.num_available + pinned == pool.num_pages - 1
+
+
+@pytest.mark.parametrize("tier_in", ["cache", "snapshot"])
+def test_a_newcomer_waits_instead_of_taking_pages_promised_to_running_requests(tiny_dir,
+                                                                              tmp_path, tier_in):
+    """10 usable pages; two running requests are owed 3 more pages each and leave none
+    spare. A newcomer whose stable tier is cached (pinning takes its evictable pages) or
+    on disk (restoring takes free pages) must wait, not make a runner run out mid-decode;
+    it runs once they finish, and every output is its solo run's."""
+    newcomer = {"stable": TIER, "volatile": [20, 21]}    # 12 + 15 tokens: 7 pages
+    batch = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16],  # 5 + 15 tokens: 5 pages, 2 reserved
+             newcomer]                                  # admitted last
+    kw = dict(max_tokens=15, ignore_eos=True)
+    solo = load_tiny(tiny_dir, tmp_path / "solo", prefix_cache=False)
+    expect = [solo.generate(p, **kw).token_ids for p in batch]
+    model = load_tiny(tiny_dir, tmp_path / "cache", num_pages=11)
+    if tier_in == "cache":  # the tier's full pages cached, not pinned (a context tier here)
+        model.generate({"context": TIER, "volatile": [30, 31]}, max_tokens=1)
+        assert model.prefix_cache.stats()["pages_evictable"] == 3
+    else:  # an earlier engine saved the tier; a fresh one over the same cache_dir has it
+        model.generate(newcomer, max_tokens=1)  # saves the tier
+        model.engine.tier_store.flush()
+        model = load_tiny(tiny_dir, tmp_path / "cache", num_pages=11)
+    done = model.generate(batch, **kw)
+    assert [r.token_ids for r in done] == expect
+    assert done[2].metrics["ttft_s"] >= min(r.metrics["total_s"] for r in done[:2])  # waited
+    if tier_in == "snapshot":  # restored once it fitted, not before: still a warm start
+        assert model.engine.tier_store.loaded == 1
+        assert done[2].metrics["stable_cached_tokens"] == len(TIER)
+    assert model.prefix_cache.registered() == [tuple(TIER)]
+    idle_and_consistent(model, pinned=3)
+
+
+def test_pinned_tiers_that_leave_no_room_refuse_a_request_instead_of_hanging(tiny_dir,
+                                                                             tmp_path):
+    """Two registered tiers pin 8 of 10 pages: with nothing running to free pages, a
+    request owed 4 would wait forever. It is refused; unpinning a tier lets it run."""
+    model = load_tiny(tiny_dir, tmp_path, num_pages=11)
+    tiers = [list(range(1, 17)), list(range(16, 0, -1))]  # 4 full pages each
+    for tier in tiers:
+        model.generate({"stable": tier, "volatile": [30]}, max_tokens=1)
+    assert model.prefix_cache.pinned_pages == 8
+    prompt = [7, 8, 9, 10, 11]  # 5 + 10 tokens: 4 pages
+    with pytest.raises(xlr_jax.OutOfPagesError, match="pinned by registered stable tiers"):
+        model.generate(prompt, max_tokens=10, ignore_eos=True)
+    idle_and_consistent(model, pinned=8)
+    model.prefix_cache.unregister_stable(tiers[0])
+    solo = load_tiny(tiny_dir, tmp_path / "solo", prefix_cache=False)
+    assert model.generate(prompt, max_tokens=10, ignore_eos=True).token_ids == \
+        solo.generate(prompt, max_tokens=10, ignore_eos=True).token_ids

@@ -1,7 +1,6 @@
 """`xlr probe`, `xlr plan` and `xlr roofline`: the hardware, the Execution Plan, the limits."""
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -65,7 +64,8 @@ def cmd_plan(args) -> int:
         print(f"{key:>16}: {value}{note}")
     print(f"{'buckets':>16}: # {reasons['buckets']}")
     print("          memory: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 1e9:.3f} GB"
-                                           for k, v in memory.items()))
+                                           for k, v in memory.items())
+          + f"   # {reasons['memory']}")
     if report:
         times = [r["compile_s"] for r in report]
         print(f"          warmup: {len(times)} executables compiled in {sum(times):.1f} s "

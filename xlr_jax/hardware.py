@@ -1,7 +1,8 @@
 """The hardware probe: what the machine is and what it can do, as a frozen profile.
 
-`probe()` reads the backend and devices from JAX, memory from NVML (NVIDIA),
-JAX's memory stats or /proc/meminfo (CPU), and peak bandwidth and FLOP/s from
+`probe()` reads the backend and devices from JAX, memory as the JAX client can
+allocate it (GPU: its preallocated pool's limit, or NVML's free memory read
+before JAX starts; CPU: /proc/meminfo), and peak bandwidth and FLOP/s from
 a table of known GPUs. An unknown GPU falls back to a measurement when asked
 (`probe(measure=True)`) or else to a conservative default, and says so in
 `notes`. `measure_peaks()` times a copy and a matmul on the spot.
@@ -12,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,8 +32,8 @@ class GpuSpec:
     memory_gb: float
 
 
-# Vendor datasheet peaks (dense, no sparsity). Matched by substring of the
-# device name, most specific first.
+# Vendor datasheet peaks (dense, no sparsity). Matched by whole words of the
+# device name, longest key first (see gpu_spec).
 KNOWN_GPUS: dict[str, GpuSpec] = {
     "B200": GpuSpec(8000, 2250, 180),
     "H200": GpuSpec(4800, 989, 141),
@@ -40,6 +42,7 @@ KNOWN_GPUS: dict[str, GpuSpec] = {
     "A100-SXM4-40GB": GpuSpec(1555, 312, 40),
     "A100": GpuSpec(2039, 312, 80),
     "L40S": GpuSpec(864, 362, 48),
+    "L40": GpuSpec(864, 181, 48),
     "L4": GpuSpec(300, 121, 24),
     "A10": GpuSpec(600, 125, 24),
     "RTX 5090": GpuSpec(1792, 209, 32),
@@ -57,7 +60,7 @@ class HardwareProfile:
     device_name: str
     device_count: int
     memory_total_bytes: int       # per device
-    memory_free_bytes: int
+    memory_free_bytes: int        # what the JAX client can still allocate
     compute_capability: str | None
     cpu_cores: int
     peak_bandwidth_gb_s: float
@@ -65,6 +68,7 @@ class HardwareProfile:
     peak_source: str              # "table", "measured" or "default"
     notes: tuple[str, ...] = ()
     cpu_vector_bits: int = 0      # the host CPU's widest SIMD registers; 0: unknown
+    memory_source: str = ""       # where memory_free_bytes comes from
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -80,8 +84,20 @@ class HardwareProfile:
         return cls(**{**raw, "notes": tuple(raw.get("notes", ()))})
 
 
+def _words(name: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", name.lower())
+
+
 def gpu_spec(name: str) -> GpuSpec | None:
-    return next((spec for key, spec in KNOWN_GPUS.items() if key.lower() in name.lower()), None)
+    """The table's entry whose words appear together in the device name, the longest key
+    first: "NVIDIA H100 PCIe" is an "H100 PCIe", "NVIDIA A100-SXM4-40GB" an
+    "A100-SXM4-40GB", and "NVIDIA L40" no "L4" (a substring match would say so)."""
+    words = _words(name)
+    for key in sorted(KNOWN_GPUS, key=lambda k: (len(_words(k)), len(k)), reverse=True):
+        run = _words(key)
+        if any(words[i:i + len(run)] == run for i in range(len(words) - len(run) + 1)):
+            return KNOWN_GPUS[key]
+    return None
 
 
 def preset(name: str) -> HardwareProfile:
@@ -94,23 +110,26 @@ def preset(name: str) -> HardwareProfile:
     spec = KNOWN_GPUS[key]
     mem = int(spec.memory_gb * GB)
     return HardwareProfile("gpu", f"NVIDIA {key}", 1, mem, mem, None, os.cpu_count() or 1,
-                           spec.bandwidth_gb_s, spec.tflops_bf16, "table")
+                           spec.bandwidth_gb_s, spec.tflops_bf16, "table",
+                           memory_source="the datasheet's memory, as if idle (a preset)")
 
 
 def probe(measure: bool = False) -> HardwareProfile:
     """Profile the first JAX device; `measure` times its peaks instead of looking them up."""
+    nvml = _nvml_memory()  # before JAX starts a backend, whose preallocation NVML counts as used
     device = jax.devices()[0]
     backend = jax.default_backend()
     if backend == "cpu":
-        name, (total, free), capability = cpu_name(), _host_memory(), None
+        name, capability = cpu_name(), None
+        (total, free), memory_source = _host_memory(), "host RAM available (/proc/meminfo)"
     else:
-        name, (total, free) = device.device_kind, _gpu_memory(device)
-        capability = getattr(device, "compute_capability", None)
+        name, capability = device.device_kind, getattr(device, "compute_capability", None)
+        total, free, memory_source = gpu_memory(nvml, device.memory_stats(), jax_preallocates())
     spec, source, notes = peaks(name, backend, measure)
     return HardwareProfile(backend, name, jax.device_count(), total, free,
                            None if capability is None else str(capability), os.cpu_count() or 1,
                            spec.bandwidth_gb_s, spec.tflops_bf16, source, notes,
-                           cpu_vector_bits())
+                           cpu_vector_bits(), memory_source)
 
 
 def peaks(name: str, backend: str, measure: bool = False) -> tuple[GpuSpec, str, tuple]:
@@ -177,18 +196,50 @@ def _median_seconds(fn, arg, runs: int) -> float:
     return statistics.median(times)
 
 
-def _gpu_memory(device) -> tuple[int, int]:
+def jax_preallocates(env=os.environ) -> bool:
+    """Whether JAX's GPU client reserves its memory pool when it starts (the default), as
+    jaxlib reads XLA_PYTHON_CLIENT_ALLOCATOR and XLA_PYTHON_CLIENT_PREALLOCATE."""
+    return (env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default").lower() != "platform"
+            and env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "") not in ("false", "False", "0"))
+
+
+def gpu_memory(nvml: tuple[int, int] | None, stats: dict | None,
+               preallocated: bool) -> tuple[int, int, str]:
+    """(total, free, source) of a GPU: free is what the JAX client can still allocate.
+
+    `nvml` is NVML's (total, free) read before JAX started, `stats` the device's
+    `memory_stats()`. A preallocated pool (by default 75% of the GPU) is all JAX can
+    use, and NVML counts it as taken: budget its limit less what is in use. Without
+    preallocation JAX allocates on demand: NVML's free memory, within the allocator's
+    limit when it has one (BFC keeps its fraction as a cap).
+    """
+    stats = stats or {}
+    limit = stats.get("bytes_limit")
+    pool_free = None if limit is None else int(limit) - int(stats.get("bytes_in_use", 0))
+    total = nvml[0] if nvml else int(limit or 0)
+    if pool_free is not None and (preallocated or nvml is None):
+        what = "preallocated pool" if preallocated else "allocator"
+        return total, pool_free, f"JAX's {what}: bytes_limit - bytes_in_use"
+    if nvml is None:
+        return total, 0, "no reading (no NVML, no JAX memory stats)"
+    if pool_free is not None and pool_free < nvml[1]:
+        return total, pool_free, "JAX's allocator limit (below NVML's free memory)"
+    return total, nvml[1], "NVML free memory before JAX started"
+
+
+def _nvml_memory() -> tuple[int, int] | None:
+    """NVML's (total, free) bytes of the first visible GPU; None without NVML."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(getattr(device, "local_hardware_id", 0) or 0)
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+        handle = (pynvml.nvmlDeviceGetHandleByUUID(first) if first.startswith(("GPU-", "MIG-"))
+                  else pynvml.nvmlDeviceGetHandleByIndex(int(first or 0)))
         info = pynvml.nvmlDeviceGetMemoryInfo(handle)
         return int(info.total), int(info.free)
-    except Exception:  # no NVML (non-NVIDIA, sandboxed): JAX's allocator view
-        stats = device.memory_stats() or {}
-        total = int(stats.get("bytes_limit", 0))
-        return total, total - int(stats.get("bytes_in_use", 0))
+    except Exception:  # no NVML (non-NVIDIA, no driver, sandboxed)
+        return None
 
 
 def _host_memory() -> tuple[int, int]:

@@ -228,6 +228,8 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         raise PlanError(f"compiler_options must map XLA option names to values, e.g. "
                         f"{{'xla_cpu_prefer_vector_width': 512}} (got {xla!r})")
 
+    why["memory"] = (f"budgeted from {hardware.memory_free_bytes / GB:.2f} GB free"
+                     + (f": {hardware.memory_source}" if hardware.memory_source else ""))
     per_context = -(-context // ps)
     while True:
         memory = _budget(hardware, config, compute, kv, ps, batch, chunk, context, impl)
@@ -315,3 +317,25 @@ def _no_room(memory: MemoryBudget, per_context: int, context: int, ps: int,
         f"after {memory.weight_bytes / GB:.2f} GB of weights and "
         f"{memory.activation_bytes / GB:.2f} GB of activations; use a smaller max_context, "
         "a smaller max_batch or prefill_chunk, quantized KV (kv_dtype='int8') or another device")
+
+
+def draft_bytes(plan: ExecutionPlan, draft: ModelConfig, name: str, taken: int = 0) -> int:
+    """Memory a separate draft model takes from the plan's budget: its weights in the
+    compute dtype plus its own KV over all the plan's pages (it shares the target's page
+    ids). Refused with the numbers (PlanError) unless it fits in what the plan left
+    after the target's KV pool and the `taken` bytes of drafts loaded before."""
+    weights = draft.num_params() * _itemsize(plan.compute_dtype)
+    kv = plan.num_pages * page_bytes(draft, plan.page_size, plan.kv_dtype)
+    spare = plan.memory.kv_budget_bytes - plan.num_pages * plan.memory.page_bytes - taken
+    if weights + kv > spare:
+        raise PlanError(
+            f"draft model {name} needs {_size(weights + kv)} ({_size(weights)} of weights and "
+            f"{_size(kv)} of KV over the target's {plan.num_pages} pages) but only "
+            f"{_size(max(spare, 0))} is left beside the target; load the target with fewer "
+            'num_pages or a shorter max_context, or draft with "self:K" (it needs no memory '
+            "of its own)")
+    return weights + kv
+
+
+def _size(n: int) -> str:
+    return f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 1e6:.1f} MB"
