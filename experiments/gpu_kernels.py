@@ -31,7 +31,8 @@ import numpy as np
 
 from xlr_jax.bench import environment, git_state
 from xlr_jax.hardware import measure_bandwidth
-from xlr_jax.ops import paged_attention, ragged_paged_attention_pallas
+from xlr_jax.ops import paged_attention
+from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas
 from xlr_jax.paged_kv import quantize_kv
 
 FULL = dict(heads=32, kv_heads=8, head_dim=128, page_size=16, batch=32, context=4096,

@@ -3,18 +3,21 @@ and warm-started from disk in a fresh process.
 
 An agent sends the same long system prompt (rules and tool schemas, >= 1,500 tokens) every
 turn, then a history that only grows, then a short new message. Each mode runs in its own
-process: it first holds a longer warm-up conversation of the same shape (a different system
-prompt of the same length, 12 turns, so every step shape is compiled and nothing of the
-measured prompt is cached), then the measured 8 turns, greedy. Modes:
-  off   load_model(prefix_cache=False)
-  on    prefix cache on, empty tier store (a new cache directory)
-  warm  a fresh process on the cache directory "on" left behind: the stable tier is on disk
+process, then the measured 8 turns, greedy. Modes:
+  off   load_model(prefix_cache=False), after a warm-up conversation
+  on    prefix cache on, empty tier store (a new cache directory), after a warm-up conversation
+  warm  a restarted agent: a fresh process on the cache directory "on" left behind (the stable
+        tier and the compiled steps are on disk), with no warm-up turns: its first turn pays
+        whatever a restart pays; its load time is reported beside it
+The warm-up conversation (a different system prompt of the same length, 12 turns) compiles
+every step shape, so "off" and "on" compare prefix caching alone and nothing of the measured
+prompt is cached.
 
-Targets (issue 5): stable-tier hit rate 100% from turn 2; TTFT on turns >= 2 at least 10x
-lower than with the cache off (median ratio); the warm-started first turn at least 5x faster
-than the cold one ("on", turn 1). Writes JSON and a PNG plot.
+Targets (issues 5 and 12): stable-tier hit rate 100% from turn 2; TTFT on turns >= 2 at least
+10x lower than with the cache off (median ratio); the warm-started first turn at least 5x
+faster than the cold one ("on", turn 1) and at most 0.5 s. Writes JSON and a PNG plot.
 
-Run: python experiments/prefix_cache_agent.py [--out experiments/results] [--quick]
+Run: python experiments/prefix_cache_agent.py [--out experiments/results]
 """
 from __future__ import annotations
 
@@ -81,15 +84,15 @@ def run_mode(mode: str, cache_dir: str, max_tokens: int) -> dict:
 
     model = xlr_jax.load_model("smollm2", cache_dir=cache_dir, max_context=4096, max_batch=1,
                                prefix_cache=mode != "off")
-    # warm-up, 12 turns: compiles every step shape the measured 8 turns will meet
-    conversation(model, system_prompt("Athena"), max_tokens, TURNS + TURNS[:4])
-    if model.prefix_cache is not None:  # its tier must not take pages from the measured one
-        for tier in model.prefix_cache.registered():
-            model.prefix_cache.unregister_stable(tier)
+    if mode != "warm":  # warm-up, 12 turns: compiles every step shape the 8 turns will meet
+        conversation(model, system_prompt("Athena"), max_tokens, TURNS + TURNS[:4])
+        if model.prefix_cache is not None:  # its tier must not take the measured one's pages
+            for tier in model.prefix_cache.registered():
+                model.prefix_cache.unregister_stable(tier)
     turns = conversation(model, system_prompt("Hermes"), max_tokens)
     if model.engine.tier_store is not None:
         model.engine.tier_store.flush()
-    return {"mode": mode, "turns": turns,
+    return {"mode": mode, "turns": turns, "load": model.load_info,
             "stats": model.prefix_cache.stats() if model.prefix_cache else None}
 
 
@@ -150,10 +153,12 @@ def main(argv=None) -> dict:
         "stable_hit_rate_from_turn_2": {"value": min(stable_from_2), "min": 1.0},
         "ttft_off_over_on_turns_2_plus": {"value": later_ratio, "min": 10.0},
         "warm_first_turn_speedup": {"value": warm_speedup, "min": 5.0},
+        "warm_first_turn_ttft_s": {"value": ttft["warm"][0], "max": 0.5},
         "outputs_identical": {"value": same, "equals": True},
     }
     for t in targets.values():
-        t["pass"] = bool(t["value"] == t["equals"] if "equals" in t else t["value"] >= t["min"])
+        t["pass"] = bool(t["value"] == t["equals"] if "equals" in t else
+                         t["value"] <= t["max"] if "max" in t else t["value"] >= t["min"])
     result = {"experiment": "prefix_cache_agent",
               "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "environment": environment(uses_torch=False), "git": git_state(),

@@ -415,7 +415,7 @@ def test_params_cache_damaged_entry_is_rebuilt(zoo, tmp_path, caplog, damage):
     _, path = zoo["qwen2_bias"]
     fresh = load_weights(path, cache_dir=tmp_path)
     (entry,) = (tmp_path / "params").iterdir()
-    files = [p for p in (entry / "params").rglob("*") if p.is_file()]
+    files = [p for p in entry.rglob("*") if p.is_file()]
     damage(max(files, key=lambda p: p.stat().st_size))  # the largest file: the weights
 
     with caplog.at_level(logging.WARNING, logger="xlr_jax.weights"):

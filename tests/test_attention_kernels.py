@@ -14,6 +14,7 @@ Tolerances, max |out - ref| / max |ref|:
 import functools
 import importlib.util
 import json
+import zlib
 from pathlib import Path
 
 import jax
@@ -28,7 +29,8 @@ from xlr_jax.bench_runners import random_params
 from xlr_jax.config import ModelConfig
 from xlr_jax.engine import Engine
 from xlr_jax.model import Params
-from xlr_jax.ops import paged_attention, ragged_paged_attention_pallas
+from xlr_jax.ops import paged_attention
+from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas
 from xlr_jax.paged_kv import quantize_kv
 from xlr_jax.sampling import SamplingParams
 
@@ -137,7 +139,7 @@ CASES = [
     *c[:6], jnp.dtype(c[6]).name, c[7]))
 def test_kernel_matches_references(case):
     page_size, head_dim, heads, kv_heads, q_len, kind, dtype, window = case
-    rng = np.random.default_rng(hash(case[:6]) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr(case[:6]).encode()))  # same in every process
     table_width = 6 if kind == "long" else 4
     lengths = length_set(kind, page_size, table_width, q_len, 3, rng)
     arrays = make_case(int(rng.integers(1 << 30)), batch=3, q_len=q_len, heads=heads,

@@ -173,6 +173,21 @@ def test_chat_template_errors(tok):
             broken.apply_chat_template(messages)
 
 
+def test_saved_tokenizer_is_the_same(tok, tmp_path):
+    """The load cache keeps the tokenizer built from the GGUF; it must come back identical."""
+    tok.save(tmp_path)
+    back = Tokenizer.load(tmp_path)
+    assert (back.bos_token_id, back.bos_token, back.eos_token, back.eos_token_ids,
+            back.add_bos_token, back.chat_template, back.vocab_size) == (
+        tok.bos_token_id, tok.bos_token, tok.eos_token, tok.eos_token_ids, tok.add_bos_token,
+        tok.chat_template, tok.vocab_size)
+    for text in TEXTS + ["<|im_start|>user\nhi<|im_end|>"]:
+        assert back.encode(text) == tok.encode(text)
+        assert back.decode(back.encode(text)) == tok.decode(tok.encode(text))
+    for messages in CONVERSATIONS.values():
+        assert back.apply_chat_template(messages) == tok.apply_chat_template(messages)
+
+
 def _tiny_gguf(path, model, tokens, merges=(), pre=None):
     """A metadata-only GGUF holding just a tokenizer."""
     writer = gguf.GGUFWriter(str(path), "llama")

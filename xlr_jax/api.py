@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -10,19 +11,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlr_jax.engine import Engine, GenerationResult
-from xlr_jax.errors import InvalidRequestError, ModelLoadError
+from xlr_jax.errors import InvalidRequestError
+from xlr_jax.executables import ExecutableStore, fingerprint
 from xlr_jax.hardware import HardwareProfile, probe
-from xlr_jax.mapper import ExecutionPlan, Workload, plan
+from xlr_jax.mapper import ExecutionPlan, Workload, draft_bytes, plan
 from xlr_jax.model import params_from_arrays
 from xlr_jax.prefix_cache import TIERS
 from xlr_jax.registry import default_cache_dir, resolve_model
 from xlr_jax.sampling import SamplingParams
 from xlr_jax.speculative import Draft, ModelDraft, SpecConfig, resolve_draft
 from xlr_jax.tier_store import TierStore
-from xlr_jax.tokenizer import Tokenizer
-from xlr_jax.weights import load_weights, read_config
+from xlr_jax.weights import ModelSource, load_weights, open_source
 
-def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None = None,
+
+def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
+               dtype: str | None = None,
                page_size: int | None = None, num_pages: int | None = None,
                max_batch: int | None = None, prefill_chunk: int | None = None,
                max_context: int | None = None, attn_impl: str = "auto",
@@ -30,7 +33,8 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
                prefix_cache: bool = True, cache_dir: str | os.PathLike | None = None,
                params_cache: bool = True, compile_cache: bool = True,
                compiler_options: dict | None = None) -> "Model":
-    """Load a model: "smollm2" (embedded), a .gguf file or a Hugging Face directory.
+    """Load a model: "smollm2" (embedded), a .gguf file, a Hugging Face directory, or a
+    source `xlr_jax.weights.open_source` opened (with the same cache_dir).
 
     The Capability Mapper (`xlr_jax.plan`) chooses everything not given, from the
     probed hardware (`hardware`, default `xlr_jax.probe()`); `model.plan` says
@@ -44,52 +48,67 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", *, dtype: str | None
     compiler_options: XLA options for every step ({} for XLA's defaults; default: the
     plan's, e.g. 512-bit vectors on an AVX-512 CPU).
     prefix_cache: share the KV of repeated prompt prefixes (False: off, for ablations).
-    cache_dir: where converted params, stable-tier KV (prefix/) and, with
-    compile_cache, XLA executables are kept (default ~/.cache/xlr-jax); a second
-    process skips the conversion, the stable tiers' prefill and the compiles.
+    cache_dir: where the model file's config and tokenizer (source/), converted params
+    (params/), stable-tier KV (prefix/) and, with compile_cache, compiled steps
+    (executables/, jax-compile/) are kept (default ~/.cache/xlr-jax); a second process
+    parses no model file, converts nothing, skips the stable tiers' prefill and compiles
+    nothing. `model.load_info` says what came from the cache and what the load took.
     """
     for name, value in (("page_size", page_size), ("num_pages", num_pages),
                         ("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
                         ("max_context", max_context)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise InvalidRequestError(f"{name} must be a positive integer (got {value!r})")
-    path = resolve_model(name_or_path)
-    config = read_config(path)
-    execution = plan(hardware or probe(), config,
+    start = time.perf_counter()
+    cache_root = Path(cache_dir or default_cache_dir())
+    cache = cache_root if params_cache else None
+    # the model opened once: a GGUF is parsed at most once, and not at all when cached
+    source = (name_or_path if isinstance(name_or_path, ModelSource)
+              else open_source(resolve_model(name_or_path), cache))
+    execution = plan(hardware or probe(), source.config,
                      Workload(max_context=max_context, max_batch=max_batch,
                               prefill_chunk=prefill_chunk),
                      dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, num_pages=num_pages,
                      attn_impl=attn_impl, compiler_options=compiler_options)
-    cache_root = Path(cache_dir or default_cache_dir())
-    cache = cache_root if params_cache else None
-    if compile_cache and not jax.config.jax_compilation_cache_dir:
-        # a restart then loads each step's executable instead of compiling it (~5 s each)
-        jax.config.update("jax_compilation_cache_dir", str(cache_root / "jax-compile"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     compute = jnp.dtype(execution.compute_dtype)
-    loaded = load_weights(path, dtype=np.dtype(compute), cache_dir=cache)
-    tokenizer = _load_tokenizer(path)
-    params = params_from_arrays(loaded.params, compute)
+    loaded = load_weights(source, dtype=np.dtype(compute), cache_dir=cache)
+    # per-layer device params straight from the host arrays, which are then let go
+    params, loaded.params = params_from_arrays(loaded.params, compute), None
+    store = None
+    if compile_cache:
+        _use_compilation_cache(cache_root)
+        store = ExecutableStore(cache_root / "executables" / _steps_fingerprint(
+            source.config, execution, params))
+        store.preload()  # read on other threads while the KV pool is allocated
     # cached KV is only valid for the same weights, dtype and page layout
     namespace = (f"{loaded.source_hash}-{execution.compute_dtype}-{execution.kv_dtype}"
                  f"-{execution.page_size}")
-    engine = Engine.from_plan(loaded.config, params, tokenizer, execution,
+    engine = Engine.from_plan(source.config, params, source.tokenizer, execution,
                               prefix_cache=prefix_cache, cache_namespace=namespace,
                               tier_store=TierStore(cache_root / "prefix", namespace))
-    load_info = {"load_s": loaded.load_s, "params_from_cache": loaded.from_cache,
+    preloaded = engine.use_step_store(store) if store else 0
+    load_info = {"load_s": time.perf_counter() - start, "params_s": loaded.load_s,
+                 "params_from_cache": loaded.from_cache,
+                 "metadata_from_cache": source.from_cache, "steps_preloaded": preloaded,
                  "source": str(loaded.source), "source_hash": loaded.source_hash}
     return Model(engine, execution, load_info=load_info)
 
 
-def _load_tokenizer(path) -> Tokenizer | None:
-    if path.is_dir():  # a weights-only directory still runs on token ids
-        return Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
-    import gguf
+def _steps_fingerprint(config, execution: ExecutionPlan, params) -> str:
+    """What the compiled steps depend on beyond their shapes: the model, the plan's
+    dtypes, KV pool and compile options, and the params' layout."""
+    e = execution
+    return fingerprint([config.to_json(), e.compute_dtype, e.kv_dtype, e.page_size,
+                        e.num_pages, e.attn_impl, sorted(e.compiler_options.items())], params)
 
-    try:
-        return Tokenizer.from_gguf(gguf.GGUFReader(str(path)))
-    except (ValueError, OSError) as e:
-        raise ModelLoadError(f"cannot read the tokenizer of {path}: {e}") from e
+
+def _use_compilation_cache(cache_root: Path) -> None:
+    """JAX's persistent cache for every executable, however small or quick to compile
+    (steps also have their own store; this covers speculative cycles, page copies...)."""
+    if not jax.config.jax_compilation_cache_dir:  # the first load of a process picks it
+        jax.config.update("jax_compilation_cache_dir", str(cache_root / "jax-compile"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 class Model:
@@ -102,6 +121,7 @@ class Model:
         self.dtype = plan.compute_dtype
         self.load_info = load_info
         self._drafts: dict[str, ModelDraft] = {}
+        self._draft_bytes: dict[str, int] = {}  # taken from the plan's memory budget
 
     # ------------------------------------------------------------ generation
 
@@ -115,9 +135,12 @@ class Model:
         "volatile": ...} of strings or ids: the stable tier is pinned in the prefix
         cache, so every later request that starts with it skips its prefill.
         speculative: {"method": "exact"|"smc", "draft": "ngram"|"self:K"|PATH,
-        "gamma": G, "particles": "auto"|N, "ess_threshold": T, "alpha": A} (see
+        "gamma": G, "particles": "auto"|N, "ess_threshold": T, "min_agreement": A} (see
         SpecConfig); exact speculation returns the target's own distribution
-        (greedy: the same tokens), SMC returns one weighted particle.
+        (greedy: the same tokens); SMC (temperature only, a self:K or model draft)
+        returns one particle drawn by weight, targeting the same distribution with
+        SMC's finite-particle bias, and falls back to exact speculation when the draft
+        agrees too little with the target (metrics["smc_fallback"] says why).
         """
         single = (isinstance(prompt_or_prompts, (str, dict))
                   or _is_token_list(prompt_or_prompts))
@@ -225,14 +248,20 @@ class Model:
         return spec, resolve_draft(spec.draft, self.config, self._load_draft)
 
     def _load_draft(self, path: str) -> ModelDraft:
+        """A separate draft model, checked against the target's vocabulary and the memory
+        the plan left (its weights and its KV over the same pages) before it is read."""
         if path not in self._drafts:
-            loaded = load_weights(path, dtype=np.dtype(self.dtype))
-            if loaded.config.vocab_size != self.config.vocab_size:
+            source = open_source(path)  # parsed once: its config, then its weights
+            config = source.config
+            if config.vocab_size != self.config.vocab_size:
                 raise InvalidRequestError(
-                    f"draft model {path} has a vocabulary of {loaded.config.vocab_size} but the "
+                    f"draft model {path} has a vocabulary of {config.vocab_size} but the "
                     f"target's is {self.config.vocab_size}; a draft must share the tokenizer")
-            params = params_from_arrays(loaded.params, jnp.dtype(self.dtype)).per_layer()
-            self._drafts[path] = ModelDraft(str(path), loaded.config, params)
+            size = draft_bytes(self.plan, config, path, taken=sum(self._draft_bytes.values()))
+            loaded = load_weights(source, dtype=np.dtype(self.dtype))
+            params = params_from_arrays(loaded.params, jnp.dtype(self.dtype))
+            self._drafts[path] = ModelDraft(str(path), config, params)
+            self._draft_bytes[path] = size
         return self._drafts[path]
 
     def _run(self, prompts, params, speculative=None) -> list[GenerationResult]:

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlr_jax.config import ModelConfig
-from xlr_jax.errors import InvalidRequestError, PromptTooLongError
+from xlr_jax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
+from xlr_jax.executables import ExecutableStore
 from xlr_jax.mapper import ExecutionPlan, page_width_buckets, powers_of_two_upto
 from xlr_jax.model import Params
 from xlr_jax.paged_kv import (PagedKV, PagePool, SequencePages, copy_pages, leaves,
@@ -44,6 +45,9 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str          # "stop" (EOS or a stop string) or "length"
     metrics: dict = field(default_factory=dict)
+    # SMC-SD: every final particle, {"token_ids", "log_weight" (normalized)}; with
+    # metrics["log_normalizer"] they give unbiased weighted estimates (see smc.py)
+    particles: list[dict] | None = None
 
 
 class _StopText:
@@ -86,6 +90,7 @@ class _Request:
         self.cache_metrics: dict = {}
         self.spec_metrics: dict = {}
         self.pending = ""  # an SMC particle's text, released when it is chosen
+        self.particles: list[dict] | None = None  # an SMC answer's final population
         self.params = params
         self.seq = SequencePages(pool)
         self.decoder = tokenizer.incremental_decoder() if tokenizer else None
@@ -101,6 +106,13 @@ class _Request:
     @property
     def prefilled(self) -> int:
         return self.seq.length
+
+    def chunk_end(self, chunk_max: int) -> int:
+        """Where the next prefill chunk ends: after `chunk_max` tokens, or at the stable
+        tier's end, so a later process that restores the tier from disk prefills the same
+        last chunk as this one did, with the same compiled step."""
+        end = self.prefilled + chunk_max
+        return self.stable_end if self.prefilled < self.stable_end < end else end
 
     def fork(self) -> "_Request":
         """An SMC particle: the same request continuing independently from here, sharing
@@ -150,7 +162,7 @@ class _Request:
             **self.spec_metrics,
         }
         return GenerationResult(self.stop_text.text, list(self.generated),
-                                self.finish_reason, metrics)
+                                self.finish_reason, metrics, self.particles)
 
 
 class Engine:
@@ -198,6 +210,12 @@ class Engine:
                    cache_namespace=cache_namespace, tier_store=tier_store,
                    particle_cap=plan.speculative.particle_cap,
                    compiler_options=plan.compiler_options)
+
+    def use_step_store(self, store: ExecutableStore) -> int:
+        """Keep compiled steps in `store` across processes; take (and run once, on the
+        scratch page) those it preloaded; returns how many."""
+        self.kv, taken = self.steps.use_store(store, self.params, self.kv)
+        return taken
 
     # ------------------------------------------------------------ validation
 
@@ -305,19 +323,22 @@ class Engine:
         """Admit waiting requests whose worst-case pages fit beside the running ones'.
 
         Budgeting every request's prompt plus max_tokens up front means a running
-        sequence never runs out of pages mid-decode (there is no preemption). A
-        request first takes its cached prefix pages; only the rest is new.
+        sequence never runs out of pages mid-decode (there is no preemption): what
+        the running requests may still allocate is owed to them, and a newcomer
+        takes, pins or restores only pages beyond it, or waits.
         """
         admitted: list[_Request] = []
         while waiting and len(active) + len(admitted) < max_requests:
             req = waiting[0]
-            outstanding = sum(r.max_pages - len(r.seq.pages) for r in active + admitted)
-            self._take_cached_prefix(req)
-            shared_tail = bool(req.seq.length % self.pool.page_size)  # copied on write
-            if req.max_pages - len(req.seq.pages) + shared_tail > self.pool.num_available - outstanding:
-                req.seq.release()  # wait for running sequences to finish and free pages
-                req.cached_tokens = 0
-                break
+            owed = sum(r.max_pages - len(r.seq.pages) for r in active + admitted)
+            if not self._take_cached_prefix(req, owed):
+                if not active and not admitted:  # nothing will ever free a page
+                    raise OutOfPagesError(
+                        f"a request needs up to {req.max_pages} KV pages but only "
+                        f"{self.pool.num_available} are free or evictable (the rest are "
+                        "pinned by registered stable tiers); unregister one "
+                        "(model.prefix_cache.unregister_stable) or load with more num_pages")
+                break  # wait for running sequences to finish and free pages
             self._apply_copies(req.seq.reserve(len(req.prompt_ids)))
             admitted.append(waiting.popleft())
         return admitted
@@ -330,27 +351,41 @@ class Engine:
             for name, kv in self.draft_kvs.items():  # a draft model's KV on the same pages
                 self.draft_kvs[name] = copy_pages(kv, src, dst)
 
-    def _take_cached_prefix(self, req: _Request) -> None:
+    def _take_cached_prefix(self, req: _Request, owed: int) -> bool:
         """Share the longest cached run of the prompt's pages (at least one token is left
-        to prefill: its logits give the first sampled token)."""
-        if self.prefix_cache is None:
-            return
-        if req.stable_end:
-            stable = req.prompt_ids[:req.stable_end]
-            self.prefix_cache.register_stable(stable)
-            if self.tier_store and self.prefix_cache.match(stable, len(stable), take=False)[1] \
-                    < len(stable):
-                self._restore_tier(stable)
-        pages, covered = self.prefix_cache.match(req.prompt_ids, len(req.prompt_ids) - 1)
-        req.seq.pages, req.seq.length, req.cached_tokens = pages, covered, covered
+        to prefill: its logits give the first sampled token), pinning the stable tier and
+        restoring it from disk, if the request's worst case then fits beside the `owed`
+        pages. Otherwise undo all of it (pinning takes cached pages out of the evictable
+        LRU) and return False."""
+        cache = self.prefix_cache
+        stable = req.prompt_ids[:req.stable_end] if cache is not None else []
+        pinned_here = bool(stable) and tuple(stable) not in cache.registered()
+        if pinned_here:
+            cache.register_stable(stable)
+        if stable and self.tier_store and \
+                cache.match(stable, len(stable), take=False)[1] < len(stable):
+            self._restore_tier(stable, owed)
+        if cache is not None:
+            req.seq.pages, req.seq.length = cache.match(req.prompt_ids, len(req.prompt_ids) - 1)
+        shared_tail = bool(req.seq.length % self.pool.page_size)  # copied on write
+        if req.max_pages - len(req.seq.pages) + shared_tail <= self.pool.num_available - owed:
+            req.cached_tokens = req.seq.length
+            return True
+        req.seq.release()
+        if pinned_here:  # its pages (restored ones too) become evictable again
+            cache.unregister_stable(stable)
+        return False
 
-    def _restore_tier(self, stable: list[int]) -> None:
-        """Load a stable tier's pages saved by an earlier process into the pool (pinned)."""
+    def _restore_tier(self, stable: list[int], owed: int) -> None:
+        """Load a stable tier's pages saved by an earlier process into the pool (pinned),
+        if they fit beside the `owed` pages."""
         n = -(-len(stable) // self.pool.page_size)
+        if n > self.pool.num_available - owed:
+            return
         expect = {name: (x.dtype, (x.shape[0], n, *x.shape[2:]))
                   for name, x in leaves(self.kv).items()}
         arrays = self.tier_store.load(stable, expect)
-        if arrays is None or self.pool.num_available < n:
+        if arrays is None:
             return
         pages = self.pool.allocate(n)
         self.kv = write_pages(self.kv, jnp.asarray(pages, jnp.int32), arrays)
@@ -414,7 +449,7 @@ class Engine:
             if not todo:
                 return pieces
             rows = pick_bucket(len(todo), self.buckets.batch)
-            parts = [r.prompt_ids[r.prefilled:r.prefilled + chunk_max] for _, r in todo]
+            parts = [r.prompt_ids[r.prefilled:r.chunk_end(chunk_max)] for _, r in todo]
             width = pick_bucket(max(len(p) for p in parts), self.buckets.chunk)
             tokens = np.zeros((rows, width), np.int32)
             start = np.zeros(rows, np.int32)

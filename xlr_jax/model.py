@@ -2,16 +2,15 @@
 
 Weights keep the [out, in] layout (x @ W.T): XLA:CPU streams a row-major
 matrix-vector product fastest that way. Q/K/V and gate/up are fused so a
-decode step issues four matmuls per layer. Loaded weights are stacked on axis
-0 (`LayerParams` with a leading layer axis); the runtime splits them into one
-buffer per layer (`Params.per_layer`) and unrolls the layer loop, because
-XLA:CPU copies each slice of a stacked weight before its matmul.
+decode step issues four matmuls per layer. The loader stacks weights on axis 0;
+the runtime keeps one buffer per layer (`params_from_arrays`, `Params.per_layer`)
+and unrolls the layer loop, because XLA:CPU copies each slice of a stacked weight
+before its matmul.
 """
 from __future__ import annotations
 
 from functools import lru_cache
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,20 +18,23 @@ import numpy as np
 from xlr_jax.config import ModelConfig, RopeScaling
 from xlr_jax.ops import paged_attention
 from xlr_jax.paged_kv import SCRATCH_PAGE, PagedKV, write_layer
+from xlr_jax.pytree import pytree_dataclass
 
 
-@flax.struct.dataclass
+@pytree_dataclass
 class LayerParams:
-    attn_norm: jax.Array   # [L, d]
-    wqkv: jax.Array        # [L, q + 2kv, d]
-    bqkv: jax.Array | None  # [L, q + 2kv] (Qwen2) or None
-    wo: jax.Array          # [L, d, q]
-    mlp_norm: jax.Array    # [L, d]
-    w_gate_up: jax.Array   # [L, 2 * ffn, d]
-    w_down: jax.Array      # [L, d, ffn]
+    """One layer's weights, or every layer's stacked on a leading [L] axis."""
+
+    attn_norm: jax.Array   # [d]
+    wqkv: jax.Array        # [q + 2kv, d]
+    bqkv: jax.Array | None  # [q + 2kv] (Qwen2) or None
+    wo: jax.Array          # [d, q]
+    mlp_norm: jax.Array    # [d]
+    w_gate_up: jax.Array   # [2 * ffn, d]
+    w_down: jax.Array      # [d, ffn]
 
 
-@flax.struct.dataclass
+@pytree_dataclass
 class Params:
     embed: jax.Array            # [vocab, d]
     layers: LayerParams | tuple[LayerParams, ...]  # stacked on axis 0, or one per layer
@@ -57,11 +59,20 @@ class Params:
 
 
 def params_from_arrays(arrays: dict, dtype=jnp.float32) -> Params:
-    """Device params from the loader's nested dict of stacked numpy arrays."""
-    put = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    """Device params, one buffer per layer, from the loader's nested dict of stacked
+    host arrays.
+
+    Each layer's slice is put on the device by itself, so the device never holds the
+    stacked weights beside the per-layer ones. On the CPU, a read-only, aligned host
+    view (a memory-mapped params cache) is not even copied: the params use its pages.
+    """
+    dtype = np.dtype(dtype)
+    put = lambda a: jax.device_put(np.asarray(a, dtype))  # noqa: E731
     stacked = arrays["layers"]
-    layers = LayerParams(bqkv=put(stacked["bqkv"]) if "bqkv" in stacked else None,
-                         **{k: put(v) for k, v in stacked.items() if k != "bqkv"})
+    layers = tuple(
+        LayerParams(bqkv=put(stacked["bqkv"][i]) if "bqkv" in stacked else None,
+                    **{k: put(v[i]) for k, v in stacked.items() if k != "bqkv"})
+        for i in range(len(stacked["attn_norm"])))
     head = arrays.get("lm_head")
     return Params(embed=put(arrays["embed"]), layers=layers,
                   final_norm=put(arrays["final_norm"]),

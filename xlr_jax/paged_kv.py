@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from collections import deque
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from xlr_jax.errors import OutOfPagesError
+from xlr_jax.pytree import pytree_dataclass
 
 SCRATCH_PAGE = 0
 
@@ -53,7 +53,7 @@ def quantize_kv(values, dtype):
     return scaled.astype(dtype), scale
 
 
-@flax.struct.dataclass
+@pytree_dataclass
 class PagedKV:
     k: jax.Array  # [layers, num_pages, kv_heads, page_size, head_dim]
     v: jax.Array

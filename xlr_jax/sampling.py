@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from xlr_jax.errors import InvalidRequestError
+from xlr_jax.pytree import pytree_dataclass
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
 
-@flax.struct.dataclass
+@pytree_dataclass
 class SamplingBatch:
     """Per-row sampling values for one step; rows are sequences."""
 

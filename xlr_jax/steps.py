@@ -2,7 +2,8 @@
 
 Every array a step sees has a bucketed shape: batch rows, chunk length and
 block-table width are rounded up to the plan's buckets, so each step compiles
-at most once per bucket combination.
+at most once per bucket combination. Prefill and decode run ahead-of-time
+executables, one per shape, which an `ExecutableStore` keeps across processes.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from xlr_jax.config import ModelConfig
+from xlr_jax.executables import ExecutableStore, compile_fresh
 from xlr_jax.model import Params, forward, lm_head
 from xlr_jax.paged_kv import PagedKV
 from xlr_jax.sampling import SAMPLERS, SamplingBatch, sample
@@ -76,9 +78,10 @@ def _all_logits(params: Params, kv: PagedKV, tokens, start, num_new, block_table
 class Steps:
     """The jitted step functions of one model; KV is donated to every call.
 
-    `warmup` compiles every bucket ahead of time (`jit(...).lower(...).compile()`);
-    a call whose shapes were warmed runs the stored executable, so serving
-    compiles nothing.
+    Prefill and decode compile once per shape ahead of time (`jit(...).lower(...)
+    .compile()`) and keep the executable; `warmup` does so for every bucket, so
+    serving compiles nothing. With a store (`use_store`), executables are saved to
+    disk and the next process loads them instead of tracing and compiling.
     """
 
     def __init__(self, config: ModelConfig, attn_impl: str = "auto",
@@ -92,17 +95,65 @@ class Steps:
         self._prefill = jit(partial(_prefill, **fixed), static_argnames="sampler")
         self._decode = jit(partial(_decode, **fixed), static_argnames="sampler")
         self._all_logits = jit(partial(_all_logits, **fixed))
+        # (step, token shape, table width, sampler) -> executable
         self._aot: dict[tuple, jax.stages.Compiled] = {}
+        self.store: ExecutableStore | None = None
+
+    def use_store(self, store: ExecutableStore, params, kv: PagedKV) -> tuple[PagedKV, int]:
+        """Keep executables in `store` (it must be keyed for these steps, params and KV;
+        see executables), and take what it preloaded: each runs once on the scratch page,
+        since an XLA:CPU executable builds its YNNPACK pipelines on its first run
+        (0.1-0.6 s). Returns the KV (donated to those runs) and how many were taken."""
+        self.store = store
+        taken = 0
+        for key, exe in store.take_preloaded():
+            if key not in self._aot:
+                self._aot[key] = exe
+                *_, kv = exe(params, kv, *self._scratch_args(key))
+                taken += 1
+        return jax.block_until_ready(kv), taken
 
     def prefill(self, params, kv, tokens, start, num_new, block_tables, sampling, sampler):
-        args = (params, kv, tokens, start, num_new, block_tables, sampling)
-        exe = self._aot.get(("prefill", tokens.shape, block_tables.shape[1], sampler))
-        return exe(*args) if exe else self._prefill(*args, sampler=sampler)
+        key = ("prefill", tokens.shape, block_tables.shape[1], sampler)
+        return self._executable(key, params, kv)(params, kv, tokens, start, num_new,
+                                                 block_tables, sampling)
 
     def decode(self, params, kv, tokens, positions, block_tables, sampling, sampler):
-        args = (params, kv, tokens, positions, block_tables, sampling)
-        exe = self._aot.get(("decode", tokens.shape, block_tables.shape[1], sampler))
-        return exe(*args) if exe else self._decode(*args, sampler=sampler)
+        key = ("decode", tokens.shape, block_tables.shape[1], sampler)
+        return self._executable(key, params, kv)(params, kv, tokens, positions,
+                                                 block_tables, sampling)
+
+    def _executable(self, key: tuple, params, kv, use: bool = True) -> jax.stages.Compiled:
+        """The executable for `key`: kept, loaded from the store, or compiled (and stored).
+        `use` records it as needed by this process (a warmup's are not)."""
+        exe = self._aot.get(key)
+        if exe is None:
+            exe = self.store.load(key) if self.store else None
+            if exe is None:
+                lowered = self._lower(key, params, kv)
+                exe = compile_fresh(lowered) if self.store else lowered.compile()
+                if self.store:
+                    self.store.save(key, exe)
+            self._aot[key] = exe
+        if use and self.store:
+            self.store.note_use(key)
+        return exe
+
+    @staticmethod
+    def _scratch_args(key: tuple) -> tuple:
+        """The arguments after (params, kv) of the step `key` names, touching only the
+        scratch page: zero tokens, positions and block tables, no valid prefill token."""
+        kind, shape, width, _ = key
+        rows = shape[0]
+        ints = lambda *s: np.zeros(s, np.int32)  # noqa: E731
+        sampling = SamplingBatch.build([], [], rows)
+        if kind == "decode":
+            return ints(rows), ints(rows), ints(rows, width), sampling
+        return ints(*shape), ints(rows), ints(rows), ints(rows, width), sampling
+
+    def _lower(self, key: tuple, params, kv) -> jax.stages.Lowered:
+        step = self._decode if key[0] == "decode" else self._prefill
+        return step.lower(params, kv, *self._scratch_args(key), sampler=key[3])
 
     def all_logits(self, params, kv, tokens, start, num_new, block_tables):
         return self._all_logits(params, kv, tokens, start, num_new, block_tables)
@@ -121,24 +172,13 @@ class Steps:
             key = (kind, shape, width, sampler)
             if key in self._aot:
                 continue
-            rows = shape[0]
-            ints = lambda *s: np.zeros(s, np.int32)  # noqa: E731
-            sampling = SamplingBatch.build([], [], rows)
             start = time.perf_counter()
-            if kind == "decode":
-                lowered = self._decode.lower(params, kv, ints(rows), ints(rows), ints(rows, width),
-                                             sampling, sampler=sampler)
-            else:
-                lowered = self._prefill.lower(params, kv, ints(*shape), ints(rows), ints(rows),
-                                              ints(rows, width), sampling, sampler=sampler)
-            self._aot[key] = lowered.compile()
-            report.append({"step": kind, "batch": rows, "chunk": shape[1] if len(shape) > 1
+            self._executable(key, params, kv, use=False)
+            report.append({"step": kind, "batch": shape[0], "chunk": shape[1] if len(shape) > 1
                            else 1, "pages": width, "sampler": sampler,
                            "compile_s": time.perf_counter() - start})
         return report
 
     def compilations(self) -> dict[str, int]:
         aot = {kind: sum(k[0] == kind for k in self._aot) for kind in ("prefill", "decode")}
-        return {"prefill": self._prefill._cache_size() + aot["prefill"],
-                "decode": self._decode._cache_size() + aot["decode"],
-                "all_logits": self._all_logits._cache_size()}
+        return {**aot, "all_logits": self._all_logits._cache_size()}

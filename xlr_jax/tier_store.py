@@ -3,8 +3,9 @@
 A snapshot holds the KV pages of one stable tier (its full pages and its last,
 partial one) as a safetensors file named by the hash of the cache namespace
 (model file hash, dtypes, page size) and the tier's token ids. Its metadata
-repeats the namespace, the token ids and a sha256 of the page bytes; a file
-whose key, shape or checksum does not match is ignored with a warning (the
+repeats the namespace, the token ids and a sha256 of the page bytes, checked once
+per file (`disk_cache.check_once`: a rewritten or damaged file is checked again); a
+file whose key, shape or checksum does not match is ignored with a warning (the
 tier is then prefilled as if there were no file) and replaced.
 
 Writes run on one background thread: the caller hands over device arrays
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from xlr_jax.disk_cache import check_once, mark_checked
+
 log = logging.getLogger(__name__)
 
 
@@ -36,6 +39,11 @@ def _payload_digest(arrays: dict[str, np.ndarray]) -> str:
         h.update(name.encode())
         h.update(np.ascontiguousarray(arrays[name]).view(np.uint8).tobytes())
     return h.hexdigest()
+
+
+def _check_payload(raw: dict[str, np.ndarray], digest: str | None) -> None:
+    if digest != _payload_digest(raw):
+        raise ValueError("checksum mismatch")
 
 
 class TierStore:
@@ -69,6 +77,7 @@ class TierStore:
         try:
             save_file(raw, str(tmp), metadata=meta)
             os.replace(tmp, final)  # atomic: a reader sees the old file or the whole new one
+            mark_checked(final)
             self.written += 1
         except OSError as e:  # a full or read-only disk costs the warm start, nothing else
             log.warning("could not persist a stable tier to %s: %s", final, e)
@@ -91,8 +100,7 @@ class TierStore:
             if meta.get("namespace") != self.namespace or \
                     json.loads(meta.get("tokens", "null")) != [int(t) for t in tokens]:
                 raise ValueError("it belongs to another model or tier")
-            if meta.get("sha256") != _payload_digest(raw):
-                raise ValueError("checksum mismatch")
+            check_once(path, lambda: _check_payload(raw, meta.get("sha256")))
             layout = json.loads(meta["layout"])
             arrays = {}
             for name, (dtype, shape) in expect.items():

@@ -209,6 +209,24 @@ class Tokenizer:
             vocab_size=backend.get_vocab_size(with_added_tokens=True),
         )
 
+    def save(self, directory) -> None:
+        """Write what `load` rebuilds this exact tokenizer from (e.g. one built from a GGUF,
+        whose metadata takes seconds to parse)."""
+        directory = Path(directory)
+        (directory / "tokenizer.json").write_text(self._backend.to_str(), encoding="utf-8")
+        facts = {"bos_token_id": self.bos_token_id, "bos_token": self.bos_token,
+                 "eos_token": self.eos_token, "eos_token_ids": sorted(self.eos_token_ids),
+                 "add_bos_token": self.add_bos_token, "chat_template": self.chat_template,
+                 "vocab_size": self.vocab_size}
+        (directory / "tokenizer_facts.json").write_text(json.dumps(facts), encoding="utf-8")
+
+    @classmethod
+    def load(cls, directory) -> "Tokenizer":
+        """The tokenizer `save` wrote to `directory`."""
+        directory = Path(directory)
+        facts = json.loads((directory / "tokenizer_facts.json").read_text(encoding="utf-8"))
+        return cls(_Backend.from_file(str(directory / "tokenizer.json")), **facts)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The post-processor is bypassed so that BOS follows `add_bos_token` alone, whatever the source.
         ids = self._backend.encode(text, add_special_tokens=False).ids

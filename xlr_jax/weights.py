@@ -1,12 +1,17 @@
 """Weights loading: GGUF files and Hugging Face directories -> ModelConfig + Params.
 
-Converted params are cached with orbax under `cache_dir/params/<key>`, where
-the key hashes the source bytes, the dtype and the converter version, so the
-second load of a model skips dequantization and re-layout.
+A load opens its source once (`open_source`): the content hash of the file(s), the
+config and the tokenizer. For a GGUF file, whose metadata takes seconds to parse
+(the `gguf` package builds a field per vocabulary entry), the config and tokenizer
+are cached under `cache_dir/source/<hash>/`, so a warm load parses no GGUF at all;
+a cold load parses it once and hands the parsed reader on to the weights.
+
+Converted params are cached under `cache_dir/params/<key>`, where the key is the
+source hash, the dtype and the converter version, as one flat file that a warm load
+memory-maps (see disk_cache): no dequantization, re-layout or copy.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -19,12 +24,26 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from xlr_jax.config import ModelConfig, RopeScaling
+from xlr_jax.disk_cache import atomic_entry, file_digest, load_arrays, save_arrays
 from xlr_jax.errors import ModelLoadError, UnsupportedModelError
+from xlr_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3  # 3: flat memory-mapped params files (2: orbax)
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelSource:
+    """A model file or directory, opened once per load."""
+
+    path: Path
+    digest: str                   # content hash: the key of every cache entry derived from it
+    config: ModelConfig
+    tokenizer: Tokenizer | None   # None for a weights-only HF directory
+    from_cache: bool              # config and tokenizer came from the cache (no GGUF parse)
+    reader: object | None = None  # a GGUF parsed by this load, handed on to the weights
 
 
 @dataclass
@@ -52,32 +71,6 @@ def _layer_dict(q, k, v, o, attn_norm, mlp_norm, gate, up, down, biases, dtype):
     if biases is not None:
         out["bqkv"] = np.concatenate(biases)
     return {name: np.asarray(a, dtype=dtype) for name, a in out.items()}
-
-
-def params_digest(params: dict) -> str:
-    """Content hash of a nested dict of arrays: a cache entry must restore bit-exact."""
-    h = hashlib.sha256()
-
-    def walk(node, path):
-        for name in sorted(node):
-            value, where = node[name], f"{path}/{name}"
-            if isinstance(value, dict):
-                walk(value, where)
-            else:
-                a = np.ascontiguousarray(value)
-                h.update(f"{where}:{a.dtype.str}:{a.shape}".encode())
-                h.update(a.data)
-
-    walk(params, "")
-    return h.hexdigest()
-
-
-def file_digest(paths: list[Path]) -> str:
-    h = hashlib.sha256()
-    for path in sorted(paths):
-        with open(path, "rb") as f:
-            h.update(hashlib.file_digest(f, "sha256").digest())
-    return h.hexdigest()[:32]
 
 
 # ---------------------------------------------------------------- GGUF
@@ -139,11 +132,18 @@ def _gguf_reader(path: Path):
                              "truncated, download it again") from e
 
 
-def _load_gguf(path: Path, dtype) -> tuple[ModelConfig, dict]:
+def _gguf_tokenizer(reader, path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_gguf(reader)
+    except (ValueError, OSError) as e:
+        raise ModelLoadError(f"cannot read the tokenizer of {path}: {e}") from e
+
+
+def _load_gguf(source: ModelSource, dtype) -> dict:
     import gguf
 
-    reader = _gguf_reader(path)
-    config = gguf_config(reader)
+    path, config = source.path, source.config
+    reader, source.reader = source.reader or _gguf_reader(path), None  # parsed at most once
     by_name = {t.name: t for t in reader.tensors}
     bar = tqdm(total=len(by_name), desc=f"Loading {path.name}", unit="tensor",
                disable=None, leave=False)
@@ -179,7 +179,7 @@ def _load_gguf(path: Path, dtype) -> tuple[ModelConfig, dict]:
     if not config.tie_embeddings:
         params["lm_head"] = get("output.weight").astype(dtype)
     bar.close()
-    return config, params
+    return params
 
 
 # ---------------------------------------------------------------- HF directories
@@ -238,13 +238,17 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_hf(path: Path, dtype) -> tuple[ModelConfig, dict]:
-    from safetensors import safe_open
-
+def _read_hf_config(path: Path) -> ModelConfig:
     try:
-        config = hf_config(json.loads((path / "config.json").read_text()))
+        return hf_config(json.loads((path / "config.json").read_text()))
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e!r}") from e
+
+
+def _load_hf(source: ModelSource, dtype) -> dict:
+    from safetensors import safe_open
+
+    path, config = source.path, source.config
     tensors = {}
     files = _safetensors_files(path)
     for file in tqdm(files, desc=f"Loading {path.name}", unit="file", disable=None,
@@ -280,7 +284,7 @@ def _load_hf(path: Path, dtype) -> tuple[ModelConfig, dict]:
               "final_norm": get("model.norm.weight").astype(dtype)}
     if not config.tie_embeddings:
         params["lm_head"] = get("lm_head.weight").astype(dtype)
-    return config, params
+    return params
 
 
 # ---------------------------------------------------------------- entry point
@@ -305,53 +309,70 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     path = Path(path).expanduser()
     _check_source(path)
     if path.is_dir():
-        return hf_config(json.loads((path / "config.json").read_text()))
+        return _read_hf_config(path)
     return gguf_config(_gguf_reader(path))
 
 
-def load_weights(path: str | os.PathLike, dtype=np.float32, cache_dir=None) -> LoadedWeights:
-    """Load a GGUF file or HF directory; use/refresh the orbax cache when cache_dir is set."""
+def open_source(path: str | os.PathLike, cache_dir=None) -> ModelSource:
+    """Hash, config and tokenizer of a GGUF file or HF directory; with `cache_dir`, a GGUF's
+    are read from (or written to) cache_dir/source/<hash>/ instead of parsing the file."""
     path = Path(path).expanduser()
     _check_source(path)
-    start = time.perf_counter()
-    digest = file_digest(source_files(path))
-    dtype_name = np.dtype(dtype).name
-    key = f"{digest}-{dtype_name}-v{CONVERTER_VERSION}"
-    entry = Path(cache_dir, "params", key) if cache_dir else None
-    if entry is not None and (entry / "config.json").exists():
+    digest = file_digest(source_files(path), cache_dir)
+    if path.is_dir():  # a weights-only directory still runs on token ids
+        has_tokenizer = (path / "tokenizer.json").exists()
+        return ModelSource(path, digest, _read_hf_config(path),
+                           Tokenizer.from_hf_dir(path) if has_tokenizer else None, False)
+    entry = Path(cache_dir, "source", digest) if cache_dir else None
+    if entry is not None and (entry / "source.json").exists():
         try:
-            config, params = _restore(entry)
-            return LoadedWeights(config, params, path, digest,
+            return ModelSource(path, digest, *_read_source_entry(entry, digest), True)
+        except Exception as e:  # a damaged or foreign entry is rebuilt, never trusted
+            log.warning("model metadata cache %s unreadable (%s); parsing %s again",
+                        entry, e, path.name)
+            shutil.rmtree(entry, ignore_errors=True)
+    reader = _gguf_reader(path)
+    source = ModelSource(path, digest, gguf_config(reader), _gguf_tokenizer(reader, path),
+                         False, reader)
+    if entry is not None:
+        with atomic_entry(entry) as tmp:
+            (tmp / "config.json").write_text(source.config.to_json())
+            source.tokenizer.save(tmp)
+            files = {f.name: file_digest([f]) for f in sorted(tmp.iterdir())}
+            # written last: names the source and checksums every file
+            (tmp / "source.json").write_text(json.dumps({"digest": digest, "files": files}))
+    return source
+
+
+def _read_source_entry(entry: Path, digest: str) -> tuple[ModelConfig, Tokenizer]:
+    manifest = json.loads((entry / "source.json").read_text())
+    if manifest["digest"] != digest:
+        raise ValueError(f"it belongs to source {manifest['digest']}")
+    for name, expected in manifest["files"].items():
+        if file_digest([entry / name]) != expected:
+            raise ValueError(f"{name} does not match its checksum")
+    return ModelConfig.from_json((entry / "config.json").read_text()), Tokenizer.load(entry)
+
+
+def load_weights(source: ModelSource | str | os.PathLike, dtype=np.float32,
+                 cache_dir=None) -> LoadedWeights:
+    """Load a GGUF file or HF directory (a path, or a source `open_source` opened); with
+    `cache_dir`, use or refresh the params cache (cached params are read-only memory maps)."""
+    start = time.perf_counter()
+    if not isinstance(source, ModelSource):
+        source = open_source(source, cache_dir)
+    key = f"{source.digest}-{np.dtype(dtype).name}-v{CONVERTER_VERSION}"
+    entry = Path(cache_dir, "params", key) if cache_dir else None
+    if entry is not None and entry.exists():
+        try:
+            return LoadedWeights(source.config, load_arrays(entry), source.path, source.digest,
                                  time.perf_counter() - start, True)
         except Exception as e:  # a damaged cache entry is rebuilt, never trusted
             log.warning("params cache %s unreadable (%s); converting again", entry, e)
             shutil.rmtree(entry, ignore_errors=True)
-    config, params = (_load_hf if path.is_dir() else _load_gguf)(path, dtype)
+    params = (_load_hf if source.path.is_dir() else _load_gguf)(source, dtype)
     if entry is not None:
-        _save(entry, config, params)
-    return LoadedWeights(config, params, path, digest, time.perf_counter() - start, False)
-
-
-def _save(entry: Path, config: ModelConfig, params: dict) -> None:
-    import orbax.checkpoint as ocp
-
-    tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(tmp / "params", params)
-    (tmp / "params.sha256").write_text(params_digest(params))
-    (tmp / "config.json").write_text(config.to_json())  # written last: marks completeness
-    shutil.rmtree(entry, ignore_errors=True)
-    os.replace(tmp, entry)
-
-
-def _restore(entry: Path) -> tuple[ModelConfig, dict]:
-    import orbax.checkpoint as ocp
-
-    config = ModelConfig.from_json((entry / "config.json").read_text())
-    with ocp.StandardCheckpointer() as ckpt:
-        params = ckpt.restore(entry / "params")
-    if params_digest(params) != (entry / "params.sha256").read_text().strip():
-        raise ModelLoadError(f"params cache {entry} does not match its checksum")
-    return config, params
+        with atomic_entry(entry) as tmp:
+            save_arrays(tmp, params)
+    return LoadedWeights(source.config, params, source.path, source.digest,
+                         time.perf_counter() - start, False)

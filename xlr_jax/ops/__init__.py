@@ -1,6 +1,8 @@
-"""Attention kernels behind one entry point, and their pure-JAX references."""
-from xlr_jax.ops.paged_attention import paged_attention, paged_attention_xla, resolve_impl
-from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas
+"""Attention kernels behind one entry point, and their pure-JAX references.
 
-__all__ = ["paged_attention", "paged_attention_xla", "ragged_paged_attention_pallas",
-           "resolve_impl"]
+The Pallas kernel itself is in `xlr_jax.ops.pallas_attention`, imported only where it runs:
+Pallas and Triton add ~0.1 s to every start.
+"""
+from xlr_jax.ops.paged_attention import paged_attention, paged_attention_xla, resolve_impl
+
+__all__ = ["paged_attention", "paged_attention_xla", "resolve_impl"]

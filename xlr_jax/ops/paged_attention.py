@@ -27,8 +27,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas
-
 IMPLS = ("auto", "pallas", "xla")
 
 
@@ -81,6 +79,8 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
         out = _padded_xla(q[:, None], k_pages, v_pages, ks, vs, layer, block_tables[seq],
                           lengths[seq], q_positions[:, None], sliding_window)
         return out[:, 0]
+    from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas  # see ops/__init__
+
     return ragged_paged_attention_pallas(
         q, k_pages, v_pages, block_tables, lengths, cu_q_lens, q_positions, ks, vs,
         max_q_len=max_q_len or q.shape[0], layer=layer, sliding_window=sliding_window,

@@ -1,0 +1,184 @@
+"""Compiled step executables on disk, so a new process neither traces nor compiles.
+
+JAX's persistent compilation cache skips XLA's compile, but each process still
+traces and lowers every step (~0.5 s for a 30-layer model's step on the CPU) to
+find its cache key. This store keys executables by what shapes the program instead,
+and loads them with no tracing at all (`jax.experimental.serialize_executable`).
+
+Layout: cache_dir/executables/<fingerprint>/<step>.bin, one file per step shape
+(e.g. `decode-1-2-greedy.bin`: 1 row, a 2-page block table, greedy sampling). The
+fingerprint hashes the jax and jaxlib versions, the devices and the CPU's instruction
+set, this package's source code, the caller's options (model config, dtypes, KV pool,
+compile options) and the params' layout: any change gives a new directory, never a
+stale executable. `recent.json` lists the steps the last process
+used, in the order it first used them; `preload` reads those (the same command run
+again needs exactly these) on background threads, while the caller goes on loading.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import pickle
+import platform
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import jax
+
+from xlr_jax.disk_cache import write_atomic
+
+log = logging.getLogger(__name__)
+_FRESH = threading.Lock()
+STORE_VERSION = 1
+PRELOAD_LIMIT = 8  # a longer session's other steps load when first needed
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """This package's source: an edited step must not run an old executable."""
+    h = hashlib.sha256()
+    root = Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_features() -> str:
+    """The instruction set XLA:CPU compiles for (a copied cache must not run elsewhere)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    return platform.processor()
+
+
+def fingerprint(options, *example_args) -> str:
+    """A directory name for the executables of steps with these options (JSON-able) over
+    arguments like `example_args` (their tree structure, shapes, dtypes and shardings)."""
+    import jaxlib
+
+    devices = jax.devices()
+    layout = [(str(x.shape), str(x.dtype), str(x.sharding))
+              for x in jax.tree.leaves(example_args)]
+    text = json.dumps([STORE_VERSION, jax.__version__, jaxlib.__version__,
+                       devices[0].client.platform, devices[0].client.platform_version,
+                       [d.device_kind for d in devices], platform.machine(), _cpu_features(),
+                       _code_digest(), options, str(jax.tree.structure(example_args)), layout])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def compile_fresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """Compile without JAX's persistent cache: an executable fetched from it serializes
+    without its kernels (jaxlib 0.10.2 on the CPU: "Function ... not found" when the
+    reloaded copy runs), so what goes into the store is always compiled here. The cache
+    is switched off for this one compile and picked up again after it."""
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
+
+    with _FRESH:  # the switch is global: two of these must not interleave
+        enabled = jax.config.jax_enable_compilation_cache
+        jax.config.update("jax_enable_compilation_cache", False)
+        reset_cache()  # JAX decides once whether the cache is used; make it ask again
+        try:
+            return lowered.compile()
+        finally:
+            jax.config.update("jax_enable_compilation_cache", enabled)
+            reset_cache()
+
+
+def _file_name(key: tuple) -> str:
+    """("decode", (1,), 2, "greedy") -> "decode-1-2-greedy.bin"."""
+    return "-".join("x".join(map(str, p)) if isinstance(p, tuple) else str(p)
+                    for p in key) + ".bin"
+
+
+def _as_key(item: list) -> tuple:
+    return tuple(tuple(p) if isinstance(p, list) else p for p in item)
+
+
+class ExecutableStore:
+    """One directory of serialized executables, each under a key: a tuple of strings,
+    ints and tuples of ints (see the module docstring)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self._used: dict[tuple, None] = {}  # in order of first use
+        self._reading: dict[tuple, Future] = {}
+
+    def preload(self, limit: int = PRELOAD_LIMIT) -> None:
+        """Start reading the first `limit` executables the last process used, two at a
+        time on background threads (deserializing releases the GIL)."""
+        keys = self.recent()[:limit]
+        if keys:
+            pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="xlr-step-load")
+            self._reading = {key: pool.submit(self._read, key) for key in keys}
+            pool.shutdown(wait=False)  # the threads end with their reads
+
+    def take_preloaded(self) -> Iterator[tuple]:
+        """(key, executable) of each preloaded executable that could be read, in order,
+        each as soon as it is read."""
+        reading, self._reading = self._reading, {}
+        for key, future in reading.items():
+            if (exe := future.result()) is not None:
+                yield key, exe
+
+    def load(self, key: tuple):
+        """The executable saved under `key`, or None (a damaged file is deleted)."""
+        future = self._reading.pop(key, None)
+        return future.result() if future is not None else self._read(key)
+
+    def _read(self, key: tuple):
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        path = self.directory / _file_name(key)
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            return None
+        try:
+            digest, body = blob[:64].decode(), blob[64:]
+            if hashlib.sha256(body).hexdigest() != digest:
+                raise ValueError("checksum mismatch")
+            payload, in_tree, out_tree = pickle.loads(body)
+            return deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # damaged or from an incompatible build: compile instead
+            log.warning("compiled step %s unreadable (%s); compiling it again", path, e)
+            path.unlink(missing_ok=True)
+            return None
+
+    def save(self, key: tuple, compiled) -> None:
+        from jax.experimental.serialize_executable import serialize
+
+        body = pickle.dumps(serialize(compiled))
+        path = self.directory / _file_name(key)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(hashlib.sha256(body).hexdigest().encode() + body)
+            tmp.replace(path)
+        except OSError as e:  # a read-only cache costs the next process a compile, no more
+            log.warning("cannot save compiled step %s (%s)", path, e)
+            tmp.unlink(missing_ok=True)
+
+    def recent(self) -> list[tuple]:
+        """The keys the last process used, in the order it first used them."""
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            return [_as_key(item) for item in
+                    json.loads((self.directory / "recent.json").read_text())]
+        return []
+
+    def note_use(self, key: tuple) -> None:
+        """Record the first use of `key` in this process (for the next one's preload)."""
+        if key in self._used:
+            return
+        self._used[key] = None
+        with contextlib.suppress(OSError):
+            self.directory.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.directory / "recent.json", json.dumps(list(self._used)))
