@@ -5,15 +5,24 @@ of its grid, one model runs `warmup` runs (compiling) and then `repeats` measure
 figures are medians. Methods:
   ar_greedy, ar_sampled                  plain decoding
   exact_<draft>_g<G>                     exact SD, greedy: its tokens must equal ar_greedy's
-                                         (draft "truncated:K": a separate draft model,
-                                         the first K layers saved apart)
   exact_sampled_ngram_g<G>               exact SD at the sampling temperature
-  smc_<draft>_n<N>_g<G>                  SMC-SD with N particles (N = 1 is exact SD)
+  smc_<draft>_n<N>_g<G>                  SMC-SD with N particles (its default fallback on)
+Drafts: "ngram", "self:K", and separate models built here: "truncated:K" (the first K
+layers saved apart) and "noisy:S" (the whole model with Gaussian noise of S times each
+matrix's standard deviation: a stand-in for a draft model that shares the tokenizer and
+agrees well with the target; as slow as the target, so it serves quality checks only).
 Speedups compare a method with AR in the same mode (greedy with greedy, sampled with
 sampled). Sampled methods report the mean target log-likelihood per output token (under
-the model at temperature 1), beside AR sampling's, as a quality check. If
-llama-cpp-python is installed, llama.cpp's plain decode of the same GGUF is measured on the
-code-edit prompt as an outside comparator (not a CI dependency).
+the model at temperature 1), beside AR sampling's. If llama-cpp-python is installed,
+llama.cpp's plain decode of the same GGUF is measured on the code-edit prompt as an
+outside comparator (not a CI dependency).
+
+SMC quality (config [smc_quality]): on a set of prompts, plain sampling against SMC-SD
+with each draft, both with its fallback to exact speculation (the default) and forced
+(min_agreement 0). Per draft: how often SMC fell back, the draft's measured agreement,
+and for the answers that finished under SMC the mean target log-likelihood per token
+against plain sampling's on the same prompts (target: within 10%) and the answers that
+repeat a 2-token pattern more than 5 times where plain sampling does not (target: none).
 
 Writes experiments/results/speculative_decoding-<UTC time>.json and .png.
 Run: python experiments/speculative_decoding.py [CONFIG] [--quick] [--out DIR]
@@ -94,6 +103,8 @@ def run_method(model, ids, method: dict, run: dict) -> dict:
                    acceptance_rate=med("acceptance_rate"), target_passes=med("target_passes"))
         if method["spec"]["method"] == "smc":
             row.update(resamples=med("resamples"),
+                       smc_fallbacks=sum(r.metrics["smc_fallback"] is not None
+                                         for r in results),
                        particles_mean=statistics.median(
                            float(np.mean(r.metrics["particles"])) for r in results))
     if sampled:
@@ -160,32 +171,127 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def truncated_draft(folder: Path, layers: int) -> str:
-    """A separate draft model for the draft-model path: the embedded model's first `layers`
-    layers with its final norm and head, saved by transformers as safetensors (no other
-    model shares SmolLM2's tokenizer offline)."""
+def build_draft(folder: Path, draft: str) -> str:
+    """A draft spec the engine takes: "truncated:K" and "noisy:S" become model folders
+    saved by transformers as safetensors (no other model shares SmolLM2's tokenizer
+    offline); anything else is returned as it is."""
+    kind, _, arg = draft.partition(":")
+    if kind not in ("truncated", "noisy"):
+        return draft
+    path = folder / f"{kind}-{arg}"
+    if (path / "config.json").exists():
+        return str(path)
     import torch
     from transformers import AutoModelForCausalLM
 
     from xlr_jax.registry import resolve_model
 
-    path = folder / f"truncated-{layers}"
-    if not (path / "config.json").exists():
-        gguf = resolve_model("smollm2")
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                  dtype=torch.float32)
-        hf.config.num_hidden_layers = layers
-        small = type(hf)(hf.config)  # a GGUF-loaded model refuses to be saved: copy it
-        missing, _ = small.load_state_dict(hf.state_dict(), strict=False)  # drops layers >= K
-        if missing:
-            raise RuntimeError(f"truncated draft: weights not copied: {missing}")
-        small.save_pretrained(path, safe_serialization=True)
+    gguf = resolve_model("smollm2")
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                              dtype=torch.float32)
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    if kind == "truncated":
+        hf.config.num_hidden_layers = int(arg)
+    else:  # untied: the head gets its own noise
+        hf.config.tie_word_embeddings = False
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+        noise = torch.Generator().manual_seed(0)
+        for tensor in state.values():
+            if tensor.ndim == 2:
+                tensor.add_(torch.randn(tensor.shape, generator=noise) * float(arg)
+                            * tensor.std())
+    small = type(hf)(hf.config)  # a GGUF-loaded model refuses to be saved: copy it
+    missing, _ = small.load_state_dict(state, strict=False)  # truncated: drops layers >= K
+    if missing:
+        raise RuntimeError(f"draft {draft}: weights not copied: {missing}")
+    small.save_pretrained(path, safe_serialization=True)
     return str(path)
 
 
+def max_pair_repeats(tokens: list[int]) -> int:
+    """The most times any 2-token pattern repeats back to back (", and, and, and" -> 3)."""
+    best = 0
+    for i in range(len(tokens) - 1):
+        k = 1
+        while tokens[i + 2 * k:i + 2 * k + 2] == tokens[i:i + 2]:
+            k += 1
+        best = max(best, k)
+    return best
+
+
+def smc_quality(q: dict) -> dict:
+    """Plain sampling against SMC-SD per draft, fallback on and forced, on q's prompts and
+    seeds (the answers of one prompt and seed are compared with each other)."""
+    import tempfile
+
+    import xlr_jax
+
+    model = xlr_jax.load_model("smollm2", dtype="float32", max_batch=max(*q["particles"], 2))
+    prompts = [model.tokenizer.encode(model.chat_prompt([{"role": "user", "content": p}]))
+               for p in q["prompts"]]
+    runs = [(ids, seed) for ids in prompts for seed in q["seeds"]]
+    kw = dict(max_tokens=q["max_tokens"], temperature=q["temperature"])
+
+    def answer(ids, seed, spec=None) -> dict:
+        r = model.generate(ids, seed=seed, speculative=spec, **kw)
+        m = r.metrics
+        return {"text": r.text, "log_likelihood_per_token": log_likelihood(model, ids,
+                                                                           r.token_ids),
+                "max_pair_repeats": max_pair_repeats(r.token_ids),
+                "smc_fallback": m.get("smc_fallback"), "draft_agreement":
+                m.get("draft_agreement"), "smc_cycles": m.get("smc_cycles"),
+                "decode_tokens_per_s": m["decode_tokens_per_s"]}
+
+    plain = [answer(ids, seed) for ids, seed in runs]
+    print(f"smc_quality plain sampling: ll {np.mean([a['log_likelihood_per_token'] for a in plain]):.3f}",
+          flush=True)
+    rows = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for draft in q["drafts"]:
+            path = build_draft(Path(scratch), draft)
+            for n in q["particles"]:
+                for mode, extra in (("fallback", {}), ("forced", {"min_agreement": 0})):
+                    spec = {"method": "smc", "draft": path, "gamma": q["gamma"],
+                            "particles": n, **extra}
+                    answers = [answer(ids, seed, spec) for ids, seed in runs]
+                    row = summarize_quality(plain, answers, q)
+                    rows[f"smc_{draft}_n{n}_{mode}"] = {"draft": draft, "particles": n,
+                                                         "mode": mode, **row,
+                                                         "answers": answers}
+                    print(f"smc_quality {draft:>12} n{n} {mode:>8}: fell back "
+                          f"{row['fallbacks']}/{len(runs)}, agreement "
+                          f"{row['mean_agreement']}, under SMC {row['finished_under_smc']}"
+                          f" ll ratio {row['ll_ratio_vs_plain']} repeats "
+                          f"{row['new_repeats']} pass {row['pass']}", flush=True)
+    return {"plain": plain, "drafts": rows}
+
+
+def summarize_quality(plain: list[dict], answers: list[dict], q: dict) -> dict:
+    """The issue's target over the answers that finished under SMC (no fallback): mean
+    target log-likelihood per token within `ll_tolerance` of plain sampling's on the same
+    prompts, and none repeating a 2-token pattern more than `max_repeats` times where
+    plain sampling's does not."""
+    under = [i for i, a in enumerate(answers) if a["smc_fallback"] is None]
+    agreements = [a["draft_agreement"] for a in answers if a["draft_agreement"] is not None]
+    row = {"fallbacks": len(answers) - len(under), "finished_under_smc": len(under),
+           "mean_agreement": round(float(np.mean(agreements)), 3) if agreements else None,
+           "ll_smc": None, "ll_plain_same_prompts": None, "ll_ratio_vs_plain": None,
+           "new_repeats": 0, "pass": None}
+    if not under:
+        return row
+    ll_smc = float(np.mean([answers[i]["log_likelihood_per_token"] for i in under]))
+    ll_plain = float(np.mean([plain[i]["log_likelihood_per_token"] for i in under]))
+    new = sum(answers[i]["max_pair_repeats"] > q["max_repeats"] >= plain[i]["max_pair_repeats"]
+              for i in under)
+    ratio = ll_smc / ll_plain
+    return {**row, "ll_smc": ll_smc, "ll_plain_same_prompts": ll_plain,
+            "ll_ratio_vs_plain": round(ratio, 3), "new_repeats": new,
+            "pass": abs(ratio - 1) <= q["ll_tolerance"] and new == 0}
+
+
 def measure_workload(config: dict, run: dict, grid: dict, name: str) -> dict:
-    """Every method of the grid on one workload, in this process (see main). A draft
-    "truncated:K" is a separate model built here (see truncated_draft)."""
+    """Every method of the grid on one workload, in this process (see main). Drafts
+    "truncated:K" and "noisy:S" are separate models built here (see build_draft)."""
     import tempfile
 
     import xlr_jax
@@ -196,9 +302,8 @@ def measure_workload(config: dict, run: dict, grid: dict, name: str) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         for method in grid_methods(grid):
             spec = method["spec"]
-            if spec and spec["draft"].startswith("truncated:"):
-                path = truncated_draft(Path(scratch), int(spec["draft"].split(":")[1]))
-                spec = {**spec, "draft": path}
+            if spec:
+                spec = {**spec, "draft": build_draft(Path(scratch), spec["draft"])}
             row = run_method(model, ids, {**method, "spec": spec}, run)
             rows[method["name"]] = {**row, "spec": method["spec"]}
             print(f"{name:>10} {method['name']:<26} {row['decode_tokens_per_s']:7.1f} tok/s"
@@ -213,6 +318,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes and grid: a smoke test")
     ap.add_argument("--out", default=str(REPO / "experiments/results"), help="results folder")
     ap.add_argument("--workload", help=argparse.SUPPRESS)  # internal: one workload's process
+    ap.add_argument("--only", choices=("speed", "quality"),
+                    help="run only the speed grid or only the SMC quality check")
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(REPO))
@@ -224,8 +331,10 @@ def main(argv=None) -> int:
     grid = config["quick_grid" if args.quick else "grid"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    quality = {**config["smc_quality"], **(config["quick_smc_quality"] if args.quick else {})}
     if args.workload:
-        part = measure_workload(config, run, grid, args.workload)
+        part = (smc_quality(quality) if args.workload == "smc_quality" else
+                measure_workload(config, run, grid, args.workload))
         (out / f"part-{args.workload}.json").write_text(json.dumps(part))
         return 0
 
@@ -236,8 +345,11 @@ def main(argv=None) -> int:
     result = {"config_path": args.config, "config": config, "quick": args.quick,
               "settings": run, "started_utc": started.isoformat(),
               "environment": environment(False), "git": git, "workloads": workloads}
-    prompt_text = {}
-    for name in config["workloads"]:
+    speed = args.only != "quality"
+    names = (list(config["workloads"]) if speed else []) + \
+        (["smc_quality"] if args.only != "speed" else [])
+    prompt_text, targets = {}, {}
+    for name in names:
         # one process per workload: a single process compiling every step variant of the
         # whole grid ran out of LLVM code memory (method 37 of 46)
         command = [sys.executable, __file__, args.config, "--out", str(out), "--workload", name]
@@ -245,25 +357,33 @@ def main(argv=None) -> int:
         part_path = out / f"part-{name}.json"
         part = json.loads(part_path.read_text())
         part_path.unlink()
-        prompt_text[name] = part.pop("prompt_text")
-        workloads[name] = {**part, "summary": summarize(part["methods"])}
-        # written after each workload: a later failure keeps what was measured
+        if name == "smc_quality":
+            result["smc_quality"] = {"settings": quality, **part}
+            targets["smc_quality"] = {d: row["pass"] for d, row in part["drafts"].items()
+                                      if row["mode"] == "fallback"}
+        else:
+            prompt_text[name] = part.pop("prompt_text")
+            workloads[name] = {**part, "summary": summarize(part["methods"])}
+        # written after each part: a later failure keeps what was measured
         result["wall_s"] = time.perf_counter() - t0
         Path(f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    best = workloads["code_edit"]["summary"]["best_speedup_vs_ar"]
-    bound = config["targets"]["code_edit_best_speedup_min"]
-    result.update(
-        wall_s=time.perf_counter() - t0,
-        llama_cpp=llama_cpp_decode(resolve_model("smollm2"), prompt_text["code_edit"],
-                                   run["max_tokens"]),
-        targets={"code_edit_best_speedup": {"value": best, "min": bound, "pass": best >= bound}})
+    if speed:
+        best = workloads["code_edit"]["summary"]["best_speedup_vs_ar"]
+        bound = config["targets"]["code_edit_best_speedup_min"]
+        targets["code_edit_best_speedup"] = {"value": best, "min": bound, "pass": best >= bound}
+        result["llama_cpp"] = llama_cpp_decode(resolve_model("smollm2"),
+                                               prompt_text["code_edit"], run["max_tokens"])
+    result.update(wall_s=time.perf_counter() - t0, targets=targets)
     Path(f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, Path(f"{stem}.png"))
-    for name, w in workloads.items():
-        print(f"{name}: best {w['summary']['best_method']} "
-              f"x{w['summary']['best_speedup_vs_ar']:.2f} vs AR")
-    print(f"target code_edit best speedup >= {bound}: {best:.2f} "
-          f"{'PASS' if best >= bound else 'FAIL'}")
+    if speed:
+        plot(result, Path(f"{stem}.png"))
+        for name, w in workloads.items():
+            print(f"{name}: best {w['summary']['best_method']} "
+                  f"x{w['summary']['best_speedup_vs_ar']:.2f} vs AR")
+        print(f"target code_edit best speedup >= {bound}: {best:.2f} "
+              f"{'PASS' if best >= bound else 'FAIL'}")
+    for name, ok in targets.get("smc_quality", {}).items():
+        print(f"SMC quality {name}: {'PASS' if ok else 'no answer under SMC' if ok is None else 'FAIL'}")
     print(f"results: {stem}.json")
     return 0
 

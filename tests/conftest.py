@@ -42,3 +42,41 @@ def hf_model(gguf_path):
     hf = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                               dtype=torch.float32)
     return hf.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """A 2-layer random Llama over 8 tokens whose token 0 is EOS (a word-level tokenizer
+    "t0".."t7" says so), and two drafts saved apart as separate models: its first layer
+    alone with the same final norm and head (exactly the "self:1" draft), and the target
+    with its LM head scaled by 0.3 (q = softmax(0.3 * logits): flatter than p, so it
+    proposes every token p can emit and p / q stays bounded)."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                         vocab_size=8, max_position_embeddings=256, initializer_range=0.3,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=0)
+    model = LlamaForCausalLM(config).float().eval()
+    model.save_pretrained(root / "target", safe_serialization=True)
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(8)}, unk_token="t1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(root / "target" / "tokenizer.json"))
+    (root / "target" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t0"}))
+    with torch.no_grad():
+        head = model.lm_head.weight.clone()
+        model.lm_head.weight.mul_(0.3)
+        model.save_pretrained(root / "flat_head", safe_serialization=True)
+        model.lm_head.weight.copy_(head)
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    model.save_pretrained(root / "first_layer", safe_serialization=True)
+    return SimpleNamespace(target=root / "target", first_layer=root / "first_layer",
+                           flat_head=root / "flat_head")

@@ -69,3 +69,15 @@ def test_generate_with_spec_matches_the_api(model, cache_dir):
     assert out["metrics"]["target_passes"] < len(ref.token_ids)  # it speculated
     bad = run_cli("generate", "--spec", "exact,gamma=zero", "hi")
     assert bad.returncode == 2 and "gamma=zero: not a number" in bad.stderr
+
+
+def test_generate_says_when_smc_falls_back(cache_dir):
+    """SMC with a poor draft (8 of 30 layers) keeps to exact speculation and says so on
+    stderr; SMC with an n-gram draft is refused before the model loads."""
+    proc = run_cli("generate", "--max-tokens", "16", "--temperature", "0.8", "--cache-dir",
+                   str(cache_dir), "--spec", "smc,draft=self:8,gamma=4,particles=2",
+                   "Tell me a story.")
+    assert proc.returncode == 0, proc.stderr
+    assert "SMC fell back to exact speculation: draft agreement" in proc.stderr
+    bad = run_cli("generate", "--temperature", "0.8", "--spec", "smc,draft=ngram", "hi")
+    assert bad.returncode == 2 and "n-gram lookup proposes one fixed token" in bad.stderr

@@ -1,39 +1,21 @@
-"""Speculative decoding in the engine: exact SD against AR, its sampled distribution on a
-tiny model, SMC-SD weights and particle counts, page-pool consistency under rollback."""
+"""Speculative decoding in the engine: exact SD against AR, SMC-SD weights, particle counts and
+fallback, page-pool consistency under rollback, refused requests. (The sampled distributions
+are tested in test_speculative_distribution.py.)"""
 import numpy as np
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import xlr_jax
-from xlr_jax.errors import InvalidRequestError
+from xlr_jax.errors import InvalidRequestError, PlanError
+from xlr_jax.hardware import HardwareProfile
+from xlr_jax.mapper import draft_bytes
 from xlr_jax.paged_kv import PagePool, SequencePages
-from xlr_jax.sampling import SamplingParams
 from xlr_jax.speculative import SpecConfig
+from xlr_jax.weights import read_config
 
-V = 8          # small enough to enumerate every 2-token continuation
 PROMPT = [1, 5, 2, 7, 3]
 CODE = ("Rename the variables to snake_case and return the code.\n"
         "def computeTotal(itemList):\n    totalValue = 0\n    for itemPrice in itemList:\n"
         "        totalValue += itemPrice\n    return totalValue\n")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A 2-layer random Llama over 8 tokens and its first layer alone (the same weights,
-    final norm and head), as directories; the 1-layer model is exactly "self:1"."""
-    root = tmp_path_factory.mktemp("spec_models")
-    torch.manual_seed(0)
-    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                         vocab_size=V, max_position_embeddings=256, initializer_range=0.3,
-                         tie_word_embeddings=False)
-    target = LlamaForCausalLM(config).float().eval()
-    target.save_pretrained(root / "target", safe_serialization=True)
-    target.model.layers = target.model.layers[:1]
-    target.config.num_hidden_layers = 1
-    target.save_pretrained(root / "first_layer", safe_serialization=True)
-    return root / "target", root / "first_layer"
 
 
 def load(path, **kw):
@@ -42,69 +24,15 @@ def load(path, **kw):
     return xlr_jax.load_model(str(path), **{**opts, **kw})
 
 
-def softmax(x):
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
+def log_softmax(x):
+    x = x.astype(np.float64) - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def continuation_probs(model, prompt):
-    """P[t1, t2, t3] of the next three tokens, enumerated from the model's logits."""
-    p1 = softmax(model.logits(prompt)[-1])
-    joint = np.zeros((V, V, V))
-    for t1 in range(V):
-        rows = softmax(np.stack([model.logits(prompt + [t1, t2])[-2:] for t2 in range(V)]))
-        # rows[t2, 0] = P(t2 | t1) (the same for every t2), rows[t2, 1] = P(t3 | t1, t2)
-        joint[t1] = p1[t1] * rows[0, 0][:, None] * rows[:, 1]
-    return joint
-
-
-def tv(a, b):
-    return 0.5 * np.abs(a - b).sum()
-
-
-def test_exact_sampling_matches_the_enumerated_target_distribution(tiny):
-    """3,000 seeds, three tokens each (the first from prefill, then one speculative cycle
-    with a real draft distribution q). The (t2, t3) joint over 64 outcomes must be within
-    the 99.9th percentile of multinomial noise of the target's; the distribution one gets
-    by always accepting the draft must lie outside it (so the check can fail)."""
-    target_dir, draft_dir = tiny
-    target, draft = load(target_dir), load(draft_dir)
-    n = 3000
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3) for s in range(n)]
-    spec = SpecConfig(method="exact", draft=str(draft_dir), gamma=2)
-    resolved = target._speculation(spec)[1]
-    outs, rates = [], []
-    for _, _, done in target.engine.run([PROMPT] * n, params, spec=spec, draft=resolved):
-        if done is not None:
-            outs.append(done.token_ids)
-            rates.append(done.metrics["acceptance_rate"])
-    assert len(outs) == n and all(len(o) == 3 for o in outs)
-    assert 0.05 < np.mean(rates) < 0.95  # both acceptance and rejection were exercised
-    got = np.zeros((V, V))
-    for _, t2, t3 in outs:
-        got[t2, t3] += 1 / n
-
-    P = continuation_probs(target, PROMPT)
-    expected = P.sum(0)
-    rng = np.random.default_rng(0)
-    noise = [tv(rng.multinomial(n, expected.ravel()) / n, expected.ravel()) for _ in range(2000)]
-    threshold = np.quantile(noise, 0.999)
-    assert tv(got, expected) < threshold
-
-    # always accepting the draft: t2 ~ q(. | t1), then t3 ~ p(. | t1, t2)
-    p1 = P.sum((1, 2))
-    accept_all = np.zeros((V, V))
-    for t1 in range(V):
-        q2 = softmax(draft.logits(PROMPT + [t1])[-1])
-        p3 = P[t1] / P[t1].sum(1, keepdims=True)
-        accept_all += p1[t1] * q2[:, None] * p3
-    assert tv(accept_all, expected) > 2 * threshold
-
-
-def test_self_draft_equals_the_truncated_model_draft(tiny):
+def test_self_draft_equals_the_truncated_model_draft(tiny_models):
     """"self:1" is the target's first layer with its norm and head: the same draws as the
     separately saved 1-layer model for the same seeds."""
-    target_dir, draft_dir = tiny
+    target_dir, draft_dir = tiny_models.target, tiny_models.first_layer
     target = load(target_dir)
     kw = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
     for seed in range(3):
@@ -137,43 +65,90 @@ def test_ngram_speculation_compiles_once_per_bucket(model):
     assert model.engine.spec_steps.compilations() == before
 
 
-def test_smc_with_the_target_as_draft_keeps_equal_weights(tiny):
-    """p_target / q_draft = 1 at every token: no resampling, log-normalizer 0."""
-    target_dir, _ = tiny
-    target = load(target_dir)
-    r = target.generate(PROMPT, max_tokens=13, temperature=1.0, seed=1, speculative={
-        "method": "smc", "draft": str(target_dir), "gamma": 3, "particles": 4})
-    m = r.metrics
-    assert len(r.token_ids) == 13 and r.finish_reason == "length"
-    assert m["particles"] == [4] * m["target_passes"]
-    assert m["resamples"] == 0 and abs(m["log_normalizer"]) < 1e-4
-    assert m["accepted_per_pass"] == pytest.approx(4.0)  # gamma + 1 per pass
+def draft_positions(max_tokens: int, gamma: int) -> set[int]:
+    """Indices (in the generated tokens) that an SMC particle's drafts fill: token 0 comes
+    from prefill, then each cycle adds min(gamma, tokens left - 1) drafts and a bonus."""
+    drafts, length = set(), 1
+    while length < max_tokens:
+        b = min(gamma, max_tokens - length - 1)
+        drafts.update(range(length, length + b))
+        length += b + 1
+    return drafts
+
+
+def test_smc_weights_are_the_log_ratios_of_the_drafts_kept(tiny_models):
+    """Without resampling, each final particle's log-weight is the sum, over the draft tokens
+    it kept up to its stop (EOS), of log p_target - log q_draft, both recomputed here from
+    the two models' logits; bonus tokens and positions after a stop add nothing. The
+    log-normalizer is log mean w."""
+    target = load(tiny_models.target, num_pages=256)
+    draft = load(tiny_models.first_layer)  # the "self:1" draft as a model of its own
+    max_tokens, gamma = 8, 2
+    positions = draft_positions(max_tokens, gamma)
+    stopped_mid_cycle = 0
+    for seed in range(12):
+        r = target.generate(PROMPT, max_tokens=max_tokens, temperature=1.0, seed=seed,
+                            speculative={"method": "smc", "draft": "self:1", "gamma": gamma,
+                                         "particles": 4, "ess_threshold": 1e-6,
+                                         "min_agreement": 0})
+        if r.particles is None:  # EOS as the first token: no particles ever existed
+            continue
+        m = r.metrics
+        assert m["resamples"] == 0 and m["particles"] == [4] * m["smc_cycles"]
+        expected = []
+        for p in r.particles:
+            ids = p["token_ids"]
+            lp = log_softmax(target.logits(PROMPT + ids)[len(PROMPT) - 1:])
+            lq = log_softmax(draft.logits(PROMPT + ids)[len(PROMPT) - 1:])
+            expected.append(sum(lp[k, ids[k]] - lq[k, ids[k]]
+                                for k in positions if k < len(ids)))
+            stopped_mid_cycle += ids[-1] == 0 and len(ids) - 1 in positions and \
+                len(ids) in positions  # a later draft of the same cycle was dropped
+        expected = np.array(expected)
+        total = np.logaddexp.reduce(expected)
+        np.testing.assert_allclose([p["log_weight"] for p in r.particles], expected - total,
+                                   atol=2e-3)
+        assert m["log_normalizer"] == pytest.approx(total - np.log(4), abs=2e-3)
+    assert stopped_mid_cycle > 0
     assert target.engine.pool.refcounts.sum() == 0
 
 
-def test_smc_particles_follow_free_pages(tiny):
-    """A tiny page budget: N starts above 1, falls as the particles' pages grow, and the
-    request still completes; a poor draft (one layer) makes it resample."""
-    target_dir, _ = tiny
-    target = load(target_dir, num_pages=26, max_batch=4)
-    resamples = 0
-    for seed in range(3):
-        r = target.generate(PROMPT, max_tokens=40, temperature=1.0, seed=seed, speculative={
-            "method": "smc", "draft": "self:1", "gamma": 3, "particles": "auto"})
+def test_smc_particle_count_follows_free_pages_both_ways(tiny_models):
+    """A tight pool: N starts at the cap, falls as the particles' pages grow, and grows back
+    (by splitting particles) when a resample onto few ancestors frees pages. Every request
+    completes and every page comes back."""
+    target = load(tiny_models.target, num_pages=26, max_batch=4)
+    grew = 0
+    for seed in range(4):
+        r = target.generate(PROMPT, max_tokens=40, temperature=1.0, seed=seed, ignore_eos=True,
+                            speculative={"method": "smc", "draft": "self:1", "gamma": 3,
+                                         "particles": 4, "min_agreement": 0})
         counts = r.metrics["particles"]
         assert len(r.token_ids) == 40
-        assert counts[0] > 1 and min(counts[1:]) < counts[0]
+        assert counts[0] == 4 and min(counts) < 4
         assert np.isfinite(r.metrics["log_normalizer"])
-        resamples += r.metrics["resamples"]
-    assert resamples > 0
+        grew += any(b > a for a, b in zip(counts, counts[1:]))
+    assert grew > 0
     assert target.engine.pool.refcounts.sum() == 0
 
 
-def test_smc_runs_on_the_embedded_model(model):
-    r = model.generate(CODE, max_tokens=20, temperature=0.7, seed=0, speculative={
-        "method": "smc", "draft": "ngram", "gamma": 4, "particles": 2})
-    assert len(r.token_ids) <= 20 and r.text and r.metrics["target_passes"] >= 1
-    assert set(r.metrics["particles"]) <= {1, 2}
+def test_smc_falls_back_to_exact_speculation_with_a_poor_draft(model):
+    """The first 8 of 30 layers agree too little with the target for SMC: the probation's
+    exact cycles measure it, the request stays on exact speculation and says why. With
+    min_agreement 0 (no probation) the same request runs SMC from its first cycle."""
+    prompt = model.chat_prompt([{"role": "user", "content": "Tell me a story about a fox."}])
+    spec = {"method": "smc", "draft": "self:8", "gamma": 4, "particles": 2}
+    r = model.generate(prompt, max_tokens=32, temperature=0.8, seed=3, speculative=spec)
+    m = r.metrics
+    assert m["smc_fallback"] and "agreement" in m["smc_fallback"]
+    assert m["draft_agreement"] < SpecConfig().min_agreement
+    assert m["smc_cycles"] == 0 and set(m["particles"]) == {1}
+    kept = model.generate(prompt, max_tokens=32, temperature=0.8, seed=3,
+                          speculative={**spec, "min_agreement": 0})
+    k = kept.metrics
+    assert k["smc_fallback"] is None and k["draft_agreement"] is None
+    assert set(k["particles"]) == {2} and k["smc_cycles"] == len(k["particles"])
+    assert model.engine.pool.refcounts.sum() == 0
 
 
 def test_smc_particles_that_stop_early_end_cleanly(model):
@@ -183,7 +158,8 @@ def test_smc_particles_that_stop_early_end_cleanly(model):
     for seed in range(6):
         r = model.generate("List three fruits, one per line:\n1.", max_tokens=40,
                            temperature=1.0, seed=seed, stop=["\n"], speculative={
-                               "method": "smc", "draft": "self:24", "gamma": 3, "particles": 4})
+                               "method": "smc", "draft": "self:24", "gamma": 3, "particles": 4,
+                               "min_agreement": 0})
         assert "\n" not in r.text and r.finish_reason in ("stop", "length")
         stops += r.finish_reason == "stop"
     assert stops > 0
@@ -233,7 +209,11 @@ def test_rollback_keeps_the_page_pool_consistent():
     ({"draft": "self:30"}, "K must be an integer"),
     ({"draft": "/no/such/model"}, "not \"ngram\""),
     ({"gama": 4}, "unknown speculative key"),
-    ({"method": "smc"}, "set temperature > 0"),
+    ({"method": "smc", "draft": "self:4"}, "set temperature > 0"),
+    ({"method": "smc"}, "SMC-SD needs a draft that can propose every token"),
+    ({"method": "smc", "draft": "ngram"}, "n-gram lookup proposes one fixed token"),
+    ({"method": "smc", "draft": "self:4", "alpha": 2.0}, "alpha must be 1"),
+    ({"min_agreement": 1.5}, "min_agreement must be in"),
 ])
 def test_bad_speculative_requests_are_refused(model, spec, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -241,14 +221,43 @@ def test_bad_speculative_requests_are_refused(model, spec, message):
     assert model.generate("Hello", max_tokens=4).token_ids  # the engine still serves
 
 
-def test_a_draft_with_another_vocabulary_is_refused(model, tiny):
+def test_smc_refuses_filters_that_would_hide_tokens_from_the_draft(model):
+    for kw in ({"top_k": 40}, {"top_p": 0.9}, {"min_p": 0.05}):
+        with pytest.raises(InvalidRequestError, match="temperature only"):
+            model.generate("Hello", max_tokens=4, temperature=0.8, **kw,
+                           speculative={"method": "smc", "draft": "self:4"})
+    assert model.generate("Hello", max_tokens=4).token_ids
+
+
+def test_a_draft_with_another_vocabulary_is_refused(model, tiny_models):
     with pytest.raises(InvalidRequestError, match="must share the tokenizer"):
-        model.generate("Hello", max_tokens=4, speculative={"draft": str(tiny[0])})
+        model.generate("Hello", max_tokens=4, speculative={"draft": str(tiny_models.target)})
+
+
+def test_a_draft_model_is_budgeted_from_the_plans_memory(tiny_models):
+    """A draft model's weights and its KV over the target's pages come out of what the plan
+    left: on a device with room for the target's pool and only half the draft, the draft is
+    refused with the numbers and the model still serves; with room it loads."""
+    def cpu(memory):
+        return HardwareProfile("cpu", "test CPU", 1, int(memory), int(memory), None, 2, 30.0,
+                               0.4, "table")
+
+    roomy = load(tiny_models.target, hardware=cpu(4e9), num_pages=256)
+    plan = roomy.plan
+    spare = plan.memory.kv_budget_bytes - plan.num_pages * plan.memory.page_bytes
+    need = draft_bytes(plan, read_config(tiny_models.flat_head), "draft")
+    tight = load(tiny_models.target, hardware=cpu(4e9 - 2 * (spare - need // 2)), num_pages=256)
+    spec = {"draft": str(tiny_models.flat_head), "gamma": 2}
+    with pytest.raises(PlanError, match=r"draft model .* needs .* MB .* but only .* MB is left"):
+        tight.generate(PROMPT, max_tokens=4, speculative=spec)
+    assert tight.generate(PROMPT, max_tokens=4).token_ids
+    assert len(roomy.generate(PROMPT, max_tokens=4, speculative=spec).token_ids) == 4
 
 
 def test_benchmark_quick_writes_json_and_plot(tmp_path):
     """experiments/speculative_decoding.py --quick: every method of the quick grid runs,
-    greedy exact SD equals greedy AR, sampled methods carry a log-likelihood, JSON + PNG."""
+    greedy exact SD equals greedy AR, sampled methods carry a log-likelihood, the SMC quality
+    check compares plain sampling with SMC (fallback and forced), JSON + PNG."""
     import importlib.util
     import json
     from pathlib import Path
@@ -257,6 +266,8 @@ def test_benchmark_quick_writes_json_and_plot(tmp_path):
     spec = importlib.util.spec_from_file_location("speculative_decoding", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    assert bench.max_pair_repeats([5, 1, 2, 1, 2, 1, 2, 7]) == 3
+    assert bench.max_pair_repeats([1, 2, 3]) == 1
     assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
     (out,) = tmp_path.glob("speculative_decoding-*.json")
     result = json.loads(out.read_text())
@@ -264,7 +275,7 @@ def test_benchmark_quick_writes_json_and_plot(tmp_path):
     assert result["git"]["sha"] and result["environment"]["jax_version"]
     for w in result["workloads"].values():
         rows = w["methods"]
-        assert {"ar_greedy", "ar_sampled", "exact_ngram_g4", "smc_ngram_n2_g4"} <= set(rows)
+        assert {"ar_greedy", "ar_sampled", "exact_ngram_g4", "smc_self:20_n2_g4"} <= set(rows)
         for name, row in rows.items():
             assert row["decode_tokens_per_s"] > 0 and row["speedup_vs_ar"] > 0
             if row["mode"] == "greedy" and row["spec"]:
@@ -272,3 +283,9 @@ def test_benchmark_quick_writes_json_and_plot(tmp_path):
             if row["mode"] == "sampled":
                 assert row["log_likelihood_per_token"] < 0
     assert set(result["targets"]["code_edit_best_speedup"]) == {"value", "min", "pass"}
+    quality = result["smc_quality"]
+    settings = quality["settings"]
+    assert len(quality["plain"]) == len(settings["prompts"]) * len(settings["seeds"])
+    forced = quality["drafts"]["smc_self:20_n2_forced"]
+    assert forced["fallbacks"] == 0 and forced["ll_ratio_vs_plain"] > 0
+    assert set(quality["drafts"]) == {"smc_self:20_n2_fallback", "smc_self:20_n2_forced"}

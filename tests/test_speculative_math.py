@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xlr_jax.drafts import ngram_propose
-from xlr_jax.smc import block_increment, ess, log_mean_weight, normalized, resample
+from xlr_jax.smc import (block_increment, draw_keys, ess, log_mean_weight, normalized,
+                         resample, split)
 from xlr_jax.spec_sampling import accept_block
 
 V = 4
@@ -76,30 +77,48 @@ def test_multinomial_counts_average_to_n_times_weight():
 
 
 def test_weight_update_against_a_hand_computation():
-    logp = jnp.log(jnp.array([[0.5, 0.25, 0.8], [0.1, 0.9, 0.5]]))
-    logq = jnp.log(jnp.array([[0.25, 0.5, 0.4], [0.2, 0.3, 0.5]]))
-    # particle 0: log(0.5/0.25) + log(0.25/0.5) + log(0.8/0.4) = log 2
-    # particle 1: log(0.1/0.2) + log(0.9/0.3) + 0 (masked) = log 1.5
-    inc = block_increment(logp, logq, mask=jnp.array([[1, 1, 1], [1, 1, 0]], bool))
-    np.testing.assert_allclose(np.asarray(inc), np.log([2.0, 1.5]), rtol=1e-6)
-    # alpha = 2 targets p^2: 2 log p - log q
-    inc2 = block_increment(logp[:1, :1], logq[:1, :1], alpha=2.0)
-    np.testing.assert_allclose(float(inc2[0]), 2 * np.log(0.5) - np.log(0.25), rtol=1e-6)
+    logp = np.log([[0.5, 0.25, 0.8], [0.1, 0.9, 0.5], [0.3, 0.2, 0.1]])
+    logq = np.log([[0.25, 0.5, 0.4], [0.2, 0.3, 0.5], [0.6, 0.1, 0.1]])
+    # particle 0 kept all 3 drafts: log(0.5/0.25) + log(0.25/0.5) + log(0.8/0.4) = log 2
+    # particle 1 stopped at its 2nd draft: log(0.1/0.2) + log(0.9/0.3) = log 1.5
+    # particle 2 stopped at its 1st draft: log(0.3/0.6) = log 0.5
+    inc = block_increment(logp, logq, kept=[3, 2, 1])
+    np.testing.assert_allclose(inc, np.log([2.0, 1.5, 0.5]), rtol=1e-12)
     w = jnp.log(jnp.array([1.0, 3.0]))
     assert float(ess(w)) == pytest.approx(1 / (0.25 ** 2 + 0.75 ** 2))
     assert float(log_mean_weight(w)) == pytest.approx(np.log(2.0))
 
 
-def test_draft_equal_to_target_never_resamples():
-    """p / q = 1: the weights stay equal, so the ESS stays N, never under any threshold."""
-    n, key = 8, jax.random.key(3)
-    log_w = jnp.zeros(n)
-    logp = jnp.log(jax.random.uniform(key, (n, 4), minval=0.05, maxval=1.0))
-    for _ in range(5):
-        log_w = log_w + block_increment(logp, logp)
-        assert float(ess(log_w)) == pytest.approx(n)
-        assert float(log_mean_weight(log_w)) == 0.0
-    np.testing.assert_array_equal(np.asarray(log_w), 0.0)
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 24), st.integers(0, 2 ** 31 - 1))
+def test_splitting_keeps_the_weighted_particles_and_their_mean(n, extra, seed):
+    """Growing N to N + extra by splitting: every particle keeps at least one copy, its
+    copies share its normalized weight, and the mean weight (the normalizer estimate) is
+    unchanged. Extra copies go to live particles only."""
+    rng = np.random.default_rng(seed)
+    log_w = rng.normal(0, 3, n)
+    live = rng.random(n) < 0.7
+    parents, new_w = split(log_w, n + extra, live)
+    assert len(parents) == len(new_w) == n + extra
+    assert set(parents) == set(range(n))
+    before = np.asarray(normalized(jnp.asarray(log_w)))
+    after = np.bincount(parents, weights=np.exp(new_w - np.logaddexp.reduce(new_w)),
+                        minlength=n)
+    np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-12)
+    assert np.logaddexp.reduce(new_w) - np.log(n + extra) == pytest.approx(
+        np.logaddexp.reduce(log_w) - np.log(n))
+    if live.any():
+        assert np.all(np.bincount(parents, minlength=n)[~live] == 1)
+
+
+def test_every_host_draw_of_a_request_has_its_own_key():
+    """Resampling at each cycle and the answer draw use distinct keys (the answer key is
+    no cycle's resample key, whatever the cycle counter is when the loop ends)."""
+    for seed in (0, 7):
+        resample_key, answer_key = draw_keys(seed)
+        keys = {tuple(np.asarray(jax.random.key_data(resample_key(c)))) for c in range(512)}
+        assert len(keys) == 512
+        assert tuple(np.asarray(jax.random.key_data(answer_key))) not in keys
 
 
 def test_degenerate_weights_resample_to_the_heavy_particle():

@@ -3,11 +3,16 @@
 Exact speculation runs every active request as one row of a batched cycle and
 streams what each cycle accepts. SMC-SD takes one request at a time: its
 particles are the rows. They start as forks of the prefilled request (sharing
-its pages), are resampled by re-pointing block tables (forks of the ancestors;
-a shared partial last page is copied on its next write), and their number is
-set before each cycle from free pages by the plan's rule. With one particle a
-cycle is exact speculation. The answer is one particle drawn by weight; its
-text is released when the request ends.
+its pages). Before each cycle their number N follows free pages, both ways: it
+shrinks by resampling (re-pointing block tables: forks of the ancestors; a
+shared partial last page is copied on its next write) and grows by splitting
+particles, each copy taking its share of the weight. An ESS below the threshold
+resamples too. With one particle a cycle is exact speculation. SMC starts after
+a probation of exact cycles that measure the draft's agreement with the target
+(`_SmcWatch`); a draft that agrees too little (mean sum_v min(p, q) under
+`SpecConfig.min_agreement`) keeps the request on exact speculation, and the
+metrics say why. The answer is one particle drawn by weight; its text is
+released when the request ends.
 
 Before a cycle every row reserves pages for all gamma + 1 positions it may
 write; afterwards `SequencePages.trim` gives back what the rejected tokens
@@ -16,18 +21,19 @@ used. Nothing is ever copied to undo a rejection.
 from __future__ import annotations
 
 import time
+from functools import partial
 
-import jax
 import numpy as np
 
 from xlr_jax.errors import InvalidRequestError
 from xlr_jax.mapper import particles_for, powers_of_two_upto
 from xlr_jax.paged_kv import PagedKV
-from xlr_jax.smc import ess, log_mean_weight, pick_answer, resample
+from xlr_jax.smc import (block_increment, draw_keys, ess, log_mean_weight, pick_answer,
+                         resample, split)
 from xlr_jax.speculative import Draft, ModelDraft, SpecConfig
 from xlr_jax.steps import Steps, pick_bucket
 
-SMC_STREAM = 0x534D43  # folded into a request's seed for resampling and the answer draw
+SMC_PROBATION = 2      # exact cycles that measure the draft's agreement before SMC starts
 
 
 class SpecRunner:
@@ -49,9 +55,16 @@ class SpecRunner:
         for r in waiting:
             r.spec_metrics = {"target_passes": 0, "draft_tokens": 0, "accepted_tokens": 0,
                               "accepted_per_pass": 0.0, "acceptance_rate": 0.0}
+            if smc:  # also for a request that ends at its first token, before particles
+                r.spec_metrics.update(_SmcWatch(self.spec.min_agreement).metrics())
             if smc and r.params.greedy:
                 raise InvalidRequestError("SMC speculative decoding samples: set temperature "
                                           "> 0, or use method exact for greedy decoding")
+            if smc and r.params.filtered:  # q must cover every token p keeps
+                raise InvalidRequestError("SMC speculative decoding samples at a temperature "
+                                          "only: top_k, top_p and min_p would keep the draft "
+                                          "from proposing tokens the target allows; drop "
+                                          "them, or use method exact")
         while waiting or active:
             yield from e._admit_and_prefill(waiting, active, 1 if smc else None,
                                             after_prefill=self._draft_prefill)
@@ -61,9 +74,8 @@ class SpecRunner:
 
     # ------------------------------------------------------------ one cycle
 
-    def _cycle(self, rows, method: str, salts=None):
-        """Run one cycle over `rows` (requests or particles); returns per row the tokens
-        kept after its last one and its log-weight increment."""
+    def _cycle(self, rows, method: str, salts=None) -> "_Cycle":
+        """Run one cycle over `rows` (requests or particles)."""
         e, spec = self.engine, self.spec
         budgets = [min(spec.gamma, r.limit - len(r.generated) - 1) for r in rows]  # max_tokens
         guesses = None
@@ -72,7 +84,7 @@ class SpecRunner:
                        for r, b in zip(rows, budgets)]
             budgets = [len(g) for g in guesses]
             if not any(budgets) and salts is None:  # nothing to verify: a plain decode
-                return self._decode(rows), np.zeros(len(rows))  # step (unsalted) is cheaper
+                return self._decode(rows)            # step (unsalted) is cheaper
         # host proposals vary in number: verify only as many positions as the longest needs
         gamma = (pick_bucket(max(*budgets, 1), powers_of_two_upto(spec.gamma)) if guesses
                  else spec.gamma)
@@ -91,10 +103,10 @@ class SpecRunner:
             salt[j] = salts[j] if salts else 0
         sampling, sampler = e._sampling(rows, n, [len(r.generated) for r in rows])
         name = self.draft.name if isinstance(self.draft, ModelDraft) else None
-        accepted, nxt, drafts, increment, e.kv, draft_kv = e.spec_steps.cycle(
+        accepted, nxt, drafts, log_p, log_q, agreement, e.kv, draft_kv = e.spec_steps.cycle(
             e.params, e.kv, self.draft, e.draft_kvs.get(name), last, positions, proposed,
             num_draft, e._block_tables(rows, n), sampling, salt, gamma=gamma, method=method,
-            alpha=spec.alpha, sampler=sampler)
+            sampler=sampler)
         if name:
             e.draft_kvs[name] = draft_kv
         accepted, nxt, drafts = np.asarray(accepted), np.asarray(nxt), np.asarray(drafts)
@@ -107,29 +119,32 @@ class SpecRunner:
             m["draft_tokens"] += int(num_draft[j])
             m["accepted_tokens"] += a
             kept.append([*map(int, drafts[j, :a]), int(nxt[j])])
-        return kept, np.asarray(increment)[:len(rows)]
+        rows_n = len(rows)
+        return _Cycle(kept, num_draft[:rows_n], np.asarray(log_p)[:rows_n],
+                      np.asarray(log_q)[:rows_n], np.asarray(agreement)[:rows_n])
 
-    def _decode(self, rows) -> list[list[int]]:
+    def _decode(self, rows) -> "_Cycle":
         """One plain decode step (the engine's) for rows with nothing proposed."""
         tokens = np.asarray(self.engine._dispatch_decode(rows))
         for r in rows:
             r.spec_metrics["target_passes"] += 1
-        return [[int(tokens[j])] for j in range(len(rows))]
+        return _Cycle.plain([[int(tokens[j])] for j in range(len(rows))])
 
     @staticmethod
-    def _take(r, tokens: list[int], now: float) -> str:
-        """Accept tokens in order until the request finishes; the visible text."""
+    def _take(r, tokens: list[int], now: float) -> tuple[str, int]:
+        """Accept tokens in order until the request finishes; (the visible text, how many
+        tokens were taken)."""
         piece = ""
-        for t in tokens:
+        for taken, t in enumerate(tokens, 1):
             piece += r.accept(t, now)
             if r.finish_reason is not None:
-                break
-        return piece
+                return piece, taken
+        return piece, len(tokens)
 
     def _exact(self, reqs):
-        kept, _ = self._cycle(reqs, "exact")
+        kept = self._cycle(reqs, "exact").kept
         now = time.perf_counter()
-        pieces = [self._take(r, toks, now) for r, toks in zip(reqs, kept)]
+        pieces = [self._take(r, toks, now)[0] for r, toks in zip(reqs, kept)]
         for r in reqs:
             if r.finish_reason is not None:
                 _summarize(r)
@@ -138,55 +153,67 @@ class SpecRunner:
     # ------------------------------------------------------------ SMC
 
     def _particle_count(self, req, particles) -> int:
-        """N for the next cycle from free pages, keeping what one particle needs to finish."""
+        """N for the next cycle from free pages, keeping what one particle needs to finish:
+        no more than the pages hold for one cycle of every particle, and more than now only
+        if they hold two (a population grown for one cycle would be cut back at once)."""
         e, spec = self.engine, self.spec
         finish_one = req.max_pages - min(len(p.seq.pages) for p in particles) + 1
         free = e.pool.num_available - finish_one
         cap = min(e.particle_cap if spec.particles == "auto" else spec.particles,
                   e.buckets.batch[-1])
-        return particles_for(free, max(p.seq.length for p in particles), spec.gamma,
-                             page_size=e.pool.page_size, cap=cap)
+        fits = partial(particles_for, free, max(p.seq.length for p in particles),
+                       page_size=e.pool.page_size, cap=cap)
+        now = fits(spec.gamma)
+        return now if now <= len(particles) else max(len(particles), fits(2 * spec.gamma + 1))
 
     def _smc(self, req):
         """Run one request's particles to the end, then release the chosen one's text."""
         spec = self.spec
-        key = jax.random.fold_in(jax.random.key(req.params.seed), SMC_STREAM)
-        particles, log_w = [req], np.zeros(1, np.float32)
-        counts, resamples, log_z = [], 0, 0.0
+        resample_key, answer_key = draw_keys(req.params.seed)
+        particles, log_w = [req], np.zeros(1)
+        watch = _SmcWatch(spec.min_agreement)
         try:
             cycle = 0
             while any(p.finish_reason is None for p in particles):
-                # grow only when resampling anyway (or at the start): shrinking is what
-                # memory needs, and growing alone would force a resample every cycle
+                # N follows free pages both ways: shrink by resampling, grow by splitting
+                n = 1 if watch.single else self._particle_count(req, particles)
                 degenerate = float(ess(log_w)) < spec.ess_threshold * len(particles)
-                n = self._particle_count(req, particles)
-                if not (degenerate or cycle == 0):
-                    n = min(n, len(particles))
-                if degenerate or n != len(particles):  # re-point block tables: fork
-                    ancestors = resample(jax.random.fold_in(key, cycle), log_w, spec.resampler,
-                                         num=n)
-                    old = particles
-                    particles = [old[a].fork() for a in np.asarray(ancestors)]
-                    for p in old:
-                        p.seq.release()
-                    resamples += degenerate  # a change of N alone is not an ESS resample
-                    log_z += float(log_mean_weight(log_w))
-                    log_w = np.zeros(n, np.float32)
+                if degenerate or n < len(particles):
+                    ancestors = resample(resample_key(cycle),
+                                         log_w.astype(np.float32), spec.resampler, num=n)
+                    particles = _repoint(particles, np.asarray(ancestors))
+                    watch.resamples += degenerate  # a change of N alone is no ESS resample
+                    watch.log_z += float(log_mean_weight(log_w))
+                    log_w = np.zeros(n)
+                elif n > len(particles):
+                    parents, log_w = split(log_w, n, [p.finish_reason is None
+                                                      for p in particles])
+                    particles = _repoint(particles, parents)
                 live = [j for j, p in enumerate(particles) if p.finish_reason is None]
                 if not live:  # resampled onto finished particles only
                     break
                 rows = [particles[j] for j in live]
-                counts.append(len(particles))
+                watch.particles.append(len(particles))
                 single = len(particles) == 1  # plain exact speculation, unsalted
-                kept, increment = self._cycle(rows, "exact" if single else "smc",
-                                              salts=None if single else live)
-                log_w[live] += increment
+                out = self._cycle(rows, "exact" if single else "smc",
+                                  salts=None if single else live)
                 now = time.perf_counter()
-                for p, toks in zip(rows, kept):
-                    p.pending += self._take(p, toks, now)
+                taken = np.zeros(len(rows), np.int64)
+                for j, (p, toks) in enumerate(zip(rows, out.kept)):
+                    piece, taken[j] = self._take(p, toks, now)
+                    p.pending += piece
+                # the drafts each particle kept, up to its stop (exact: up to the first
+                # rejection, whose context still follows p)
+                counted = np.minimum(taken, out.num_draft)
+                if single:
+                    watch.observe_exact(out.agreement[0], int(counted[0]))
+                else:  # weigh the drafts each particle kept
+                    increment = block_increment(out.log_p, out.log_q, counted)
+                    log_w[live] += increment
+                    watch.observe_smc(increment)
                 cycle += 1
-            log_z += float(log_mean_weight(log_w))
-            chosen = particles[int(pick_answer(jax.random.fold_in(key, cycle), log_w))]
+            watch.log_z += float(log_mean_weight(log_w))
+            chosen = particles[int(pick_answer(answer_key, log_w.astype(np.float32)))]
         except BaseException:
             for p in particles:  # idempotent: the engine then releases `req` too
                 p.seq.release()
@@ -194,8 +221,10 @@ class SpecRunner:
         for p in particles:
             if p is not chosen:
                 p.seq.release()
-        chosen.spec_metrics.update(resamples=resamples, log_normalizer=log_z,
-                                   particles=counts)
+        chosen.spec_metrics.update(watch.metrics())
+        weights = log_w - float(np.logaddexp.reduce(log_w))
+        chosen.particles = [{"token_ids": list(p.generated), "log_weight": float(lw)}
+                            for p, lw in zip(particles, weights)]
         _summarize(chosen)
         req.finish_reason = chosen.finish_reason
         yield from self.engine._finish_done([chosen], [chosen.pending])
@@ -219,3 +248,82 @@ def _summarize(r) -> None:
     passes = max(m["target_passes"], 1)
     m["accepted_per_pass"] = (len(r.generated) - 1) / passes  # the first came from prefill
     m["acceptance_rate"] = m["accepted_tokens"] / m["draft_tokens"] if m["draft_tokens"] else 0.0
+
+
+def _repoint(particles, parents) -> list:
+    """The particles that copy `parents` (indices): forks of their block tables; the old
+    particles give their pages back (shared pages stay with the forks)."""
+    new = [particles[int(a)].fork() for a in parents]
+    for p in particles:
+        p.seq.release()
+    return new
+
+
+class _Cycle:
+    """What one cycle gave each row: the tokens kept after its last one, and for each
+    draft position log p, log q and the agreement sum_v min(p, q)."""
+
+    def __init__(self, kept, num_draft, log_p, log_q, agreement):
+        self.kept, self.num_draft = kept, num_draft
+        self.log_p, self.log_q, self.agreement = log_p, log_q, agreement
+
+    @classmethod
+    def plain(cls, kept) -> "_Cycle":
+        none = np.zeros((len(kept), 0))
+        return cls(kept, np.zeros(len(kept), np.int32), none, none, none)
+
+
+class _SmcWatch:
+    """One SMC request's running record: resamples and the normalizer estimate, and how
+    well the draft agrees with the target, which decides whether SMC may run at all.
+
+    Probation: the first SMC_PROBATION cycles that propose anything run as exact
+    speculation (one particle, weight 1: still the target's distribution) and measure
+    the draft's agreement sum_v min(p, q) (its exact acceptance probability) at the
+    positions up to the first rejection, whose contexts follow p. Below min_agreement
+    the request stays exact (a fallback, with its reason): SMC keeps every draft token,
+    so with such a draft its answer would follow q more than p. Agreement measured on
+    the particles' own drafts cannot replace this: once they degenerate into
+    repetition, draft and target agree on repeating."""
+
+    def __init__(self, min_agreement: float):
+        self.min_agreement = min_agreement
+        self.particles: list[int] = []
+        self.resamples, self.log_z = 0, 0.0
+        self.trials, self.agreement_sum, self.positions = 0, 0.0, 0
+        self.ess_fractions: list[float] = []
+        self.fallback: str | None = None
+
+    @property
+    def single(self) -> bool:
+        """The next cycle runs one particle: on probation, or fallen back."""
+        return self.fallback is not None or (self.min_agreement > 0
+                                             and self.trials < SMC_PROBATION)
+
+    def observe_exact(self, agreement, positions: int) -> None:
+        """A one-particle cycle's per-position agreement and how many positions count."""
+        if not positions:
+            return
+        self.trials += 1
+        self.agreement_sum += float(agreement[:positions].sum())
+        self.positions += positions
+        if (self.trials == SMC_PROBATION and self.fallback is None
+                and self.agreement < self.min_agreement):
+            self.fallback = (f"draft agreement {self.agreement:.2f} < min_agreement "
+                             f"{self.min_agreement:g} over {self.positions} draft tokens")
+
+    def observe_smc(self, increment) -> None:
+        """An SMC cycle's log-weight increments: how far one cycle spreads the weights."""
+        self.ess_fractions.append(float(ess(np.asarray(increment, np.float32))) /
+                                  len(increment))
+
+    @property
+    def agreement(self) -> float | None:
+        return self.agreement_sum / self.positions if self.positions else None
+
+    def metrics(self) -> dict:
+        return {"particles": self.particles, "resamples": self.resamples,
+                "log_normalizer": self.log_z, "smc_cycles": len(self.ess_fractions),
+                "smc_fallback": self.fallback, "draft_agreement": self.agreement,
+                "smc_ess_fraction": (float(np.mean(self.ess_fractions))
+                                     if self.ess_fractions else None)}
