@@ -33,7 +33,7 @@ from xlr_jax.smc import (block_increment, draw_keys, ess, log_mean_weight, pick_
 from xlr_jax.speculative import Draft, ModelDraft, SpecConfig
 from xlr_jax.steps import Steps, pick_bucket
 
-SMC_PROBATION = 2      # exact cycles that measure the draft's agreement before SMC starts
+SMC_PROBATION = 4      # exact cycles that measure the draft's agreement before SMC starts
 
 
 class SpecRunner:
