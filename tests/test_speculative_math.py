@@ -143,3 +143,24 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     assert ngram_propose(text + [7], 2) == [3, 4]    # "5 6 7": the latest match wins
     assert ngram_propose([1, 2, 3], 4) == []          # nothing repeats
     assert ngram_propose([4, 4], 3) == [4]            # a run repeats itself
+
+
+def test_smc_falls_back_when_the_agreement_drops_under_smc():
+    """A probation passed on a good stretch, then poor agreement at the particles' draft
+    positions over a window of cycles: the request falls back to exact speculation."""
+    from xlr_jax.spec_runner import SMC_PROBATION, SmcWatch
+
+    watch = SmcWatch(min_agreement=0.7)
+    for _ in range(SMC_PROBATION):
+        assert watch.single  # on probation: one particle, exact speculation
+        watch.observe_exact(np.full(4, 0.9), positions=4)
+    assert not watch.single and watch.fallback is None
+    for _ in range(SMC_PROBATION):  # a good window keeps SMC
+        watch.observe_smc(np.zeros(2), np.full((2, 4), 0.9), np.array([4, 4]))
+    assert not watch.single
+    bad = (np.zeros(2), np.full((2, 4), 0.3), np.array([4, 2]))  # 6 positions at 0.3
+    watch.observe_smc(*bad)  # window mean (3 * 7.2 + 1.8) / 30 = 0.78: still SMC
+    assert not watch.single
+    watch.observe_smc(*bad)  # (2 * 7.2 + 3.6) / 28 = 0.64 < 0.7: exact from here
+    assert watch.single and "under SMC" in watch.fallback
+    assert watch.metrics()["smc_fallback"] == watch.fallback
