@@ -107,5 +107,6 @@ def test_abandoned_stream_gives_its_pages_back(model):
     pieces = model.stream("Once upon a time", max_tokens=64, ignore_eos=True)
     assert next(pieces) and next(pieces)
     pieces.close()  # the caller walked away mid-generation
+    assert model.stats()["pages_held"] == 0  # given back before the loop's next step
     assert model.engine.pool.num_available == model.engine.pool.num_pages - 1
     assert model.generate("The capital of France is", max_tokens=4).finish_reason == "length"

@@ -3,13 +3,16 @@ from xlr_jax.api import Model, load_model
 from xlr_jax.config import ModelConfig
 from xlr_jax.engine import GenerationResult
 from xlr_jax.errors import (InvalidRequestError, ModelLoadError, OutOfPagesError, PlanError,
-                            PromptTooLongError, TokenizerError, UnsupportedModelError, XlrError)
+                            PromptTooLongError, QueueFullError, TokenizerError,
+                            UnsupportedModelError, XlrError)
 from xlr_jax.hardware import HardwareProfile, probe
 from xlr_jax.mapper import ExecutionPlan, Workload, plan
 from xlr_jax.sampling import SamplingParams
+from xlr_jax.scheduler import RequestHandle
 
 __all__ = ["load_model", "Model", "ModelConfig", "GenerationResult", "SamplingParams",
            "probe", "HardwareProfile", "plan", "ExecutionPlan", "Workload",
            "XlrError", "ModelLoadError", "UnsupportedModelError", "TokenizerError",
-           "InvalidRequestError", "PromptTooLongError", "OutOfPagesError", "PlanError"]
+           "InvalidRequestError", "PromptTooLongError", "OutOfPagesError", "PlanError",
+           "QueueFullError", "RequestHandle"]
 __version__ = "0.1.0"

@@ -1,7 +1,9 @@
 """The public Python API: `load_model` and `Model` (generate, chat, stream)."""
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -19,6 +21,8 @@ from xlr_jax.model import params_from_arrays
 from xlr_jax.prefix_cache import TIERS
 from xlr_jax.registry import default_cache_dir, resolve_model
 from xlr_jax.sampling import SamplingParams
+from xlr_jax.scheduler import RequestHandle, Scheduler
+from xlr_jax.spec_runner import check_request
 from xlr_jax.speculative import Draft, ModelDraft, SpecConfig, resolve_draft
 from xlr_jax.tier_store import TierStore
 from xlr_jax.weights import ModelSource, load_weights, open_source
@@ -28,6 +32,7 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                dtype: str | None = None,
                page_size: int | None = None, num_pages: int | None = None,
                max_batch: int | None = None, prefill_chunk: int | None = None,
+               max_waiting: int | None = None,
                max_context: int | None = None, attn_impl: str = "auto",
                kv_dtype: str | None = None, hardware: HardwareProfile | None = None,
                prefix_cache: bool = True, cache_dir: str | os.PathLike | None = None,
@@ -42,6 +47,8 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     dtype: compute/weight dtype ("float32" or "bfloat16").
     page_size, num_pages: the KV page pool.
     max_batch: sequences decoded together; prefill_chunk: tokens per prefill call.
+    max_waiting: requests queued beyond the running batch before `submit` raises
+    QueueFullError.
     attn_impl: "auto" (Pallas on GPU, XLA on CPU), "pallas" or "xla".
     kv_dtype: KV page dtype (default: dtype); "int8" or "fp8" store quantized
     pages with per-token-per-head scales.
@@ -56,7 +63,7 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     """
     for name, value in (("page_size", page_size), ("num_pages", num_pages),
                         ("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
-                        ("max_context", max_context)):
+                        ("max_context", max_context), ("max_waiting", max_waiting)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise InvalidRequestError(f"{name} must be a positive integer (got {value!r})")
     start = time.perf_counter()
@@ -67,7 +74,7 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
               else open_source(resolve_model(name_or_path), cache))
     execution = plan(hardware or probe(), source.config,
                      Workload(max_context=max_context, max_batch=max_batch,
-                              prefill_chunk=prefill_chunk),
+                              prefill_chunk=prefill_chunk, max_waiting=max_waiting),
                      dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, num_pages=num_pages,
                      attn_impl=attn_impl, compiler_options=compiler_options)
     compute = jnp.dtype(execution.compute_dtype)
@@ -112,7 +119,12 @@ def _use_compilation_cache(cache_root: Path) -> None:
 
 
 class Model:
-    """A loaded model with its tokenizer and KV cache. Calls are serialized by a lock."""
+    """A loaded model with its tokenizer and KV cache, served by an always-on loop.
+
+    Any number of threads may call it at once: each call submits requests to the
+    model's scheduler thread (`xlr_jax.scheduler`), which batches them with whatever
+    else is running and hands back results as they come.
+    """
 
     def __init__(self, engine: Engine, plan: ExecutionPlan, *, load_info: dict):
         self.engine, self.plan = engine, plan
@@ -122,13 +134,47 @@ class Model:
         self.load_info = load_info
         self._drafts: dict[str, ModelDraft] = {}
         self._draft_bytes: dict[str, int] = {}  # taken from the plan's memory budget
+        self._draft_lock = threading.Lock()
+        self._scheduler = Scheduler(engine, plan.max_waiting)
 
     # ------------------------------------------------------------ generation
+
+    def submit(self, prompt_or_messages, max_tokens: int = 256, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
+               stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
+               tools: list | None = None, stop_token_ids: Sequence[int] | None = None,
+               speculative: dict | SpecConfig | None = None) -> RequestHandle:
+        """Queue one request and return at once: a prompt (string, token ids or a tiered
+        dict, as for `generate`) or chat messages (a list of {"role", "content"}).
+        Iterate the handle for text pieces, `.tokens()` for token ids; `.result()` waits
+        for the GenerationResult; `.cancel()` stops it. Past the plan's max_waiting
+        queued requests, QueueFullError."""
+        params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
+                                ignore_eos, stop_token_ids)
+        return self._submit([self._encode_any(prompt_or_messages, tools)], params,
+                            speculative)[0]
+
+    async def agenerate(self, prompt_or_messages, **kwargs):
+        """`submit` for asyncio: await the GenerationResult."""
+        return await self._asubmit(prompt_or_messages, kwargs).aresult()
+
+    async def astream(self, prompt_or_messages, **kwargs):
+        """`submit` for asyncio: `async for piece in model.astream(...)`."""
+        async for piece in self._asubmit(prompt_or_messages, kwargs):
+            yield piece
+
+    def _asubmit(self, prompt_or_messages, kwargs) -> RequestHandle:
+        kwargs = dict(kwargs)
+        speculative, tools = kwargs.pop("speculative", None), kwargs.pop("tools", None)
+        params = self._sampling_from(kwargs)
+        return self._submit([self._encode_any(prompt_or_messages, tools)], params,
+                            speculative, aio_loop=asyncio.get_running_loop())[0]
 
     def generate(self, prompt_or_prompts, max_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
                  stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
-                 speculative: dict | SpecConfig | None = None):
+                 speculative: dict | SpecConfig | None = None,
+                 stop_token_ids: Sequence[int] | None = None):
         """Complete one prompt or a list of them (results in order).
 
         A prompt is a string, token ids, or a tiered dict {"stable": ..., "context": ...,
@@ -147,36 +193,58 @@ class Model:
         prompts = [prompt_or_prompts] if single else list(prompt_or_prompts)
         if not prompts:
             raise InvalidRequestError("no prompts given; pass a string or a list of strings")
-        params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos)
-        results = self._run([self._encode(p) for p in prompts], params, speculative)
+        params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
+                                ignore_eos, stop_token_ids)
+        results = self._results(self._submit([self._encode(p) for p in prompts], params,
+                                             speculative))
         return results[0] if single else results
 
     def chat(self, messages, max_tokens: int = 256, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
              stop: str | Sequence[str] | None = None, tools: list | None = None,
-             speculative: dict | SpecConfig | None = None):
+             speculative: dict | SpecConfig | None = None,
+             stop_token_ids: Sequence[int] | None = None):
         """Reply to a conversation ([{"role", "content"}, ...]) or a list of conversations."""
         single = bool(messages) and isinstance(messages[0], dict)
         encoded = [self._encode_chat(m, tools) for m in ([messages] if single else messages)]
-        params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, False)
-        results = self._run(encoded, params, speculative)
+        params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
+                                False, stop_token_ids)
+        results = self._results(self._submit(encoded, params, speculative))
         return results[0] if single else results
 
     def stream(self, prompt, max_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
                stop: str | Sequence[str] | None = None, chat: bool = False,
                ignore_eos: bool = False, result: list | None = None,
-               speculative: dict | SpecConfig | None = None) -> Iterator[str]:
+               speculative: dict | SpecConfig | None = None,
+               stop_token_ids: Sequence[int] | None = None) -> Iterator[str]:
         """Yield text pieces as they are generated; `result`, if a list, receives the result.
-        (SMC speculation releases its text at the end: particles change until then.)"""
-        params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos)
-        ids, tiers = self._encode_chat(prompt) if chat else self._encode(prompt)
-        spec, draft = self._speculation(speculative)
-        for _, piece, done in self.engine.run([ids], [params], [tiers], spec, draft):
-            if piece:
-                yield piece
-            if done is not None and result is not None:
-                result.append(done)
+        Closing the iterator early cancels the request. (SMC speculation releases its
+        text at the end: particles change until then.)"""
+        params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
+                                ignore_eos, stop_token_ids)
+        encoded = self._encode_chat(prompt) if chat else self._encode(prompt)
+        handle = self._submit([encoded], params, speculative)[0]
+        yield from handle
+        if result is not None:
+            result.append(handle.result())
+
+    def stats(self) -> dict:
+        """One snapshot, taken between steps: requests running and waiting, and the KV
+        pages (usable, free, held by requests, cached at refcount 0, pinned by tiers)."""
+        def snapshot() -> dict:
+            pool, cache = self.engine.pool, self.engine.prefix_cache
+            held = int((pool.refcounts[1:] > 0).sum())
+            return {**self._scheduler.counts(), "pages_total": pool.num_pages - 1,
+                    "pages_free": pool.num_free, "pages_held": held,
+                    "pages_cached": pool.num_pages - 1 - pool.num_free - held,
+                    "pages_pinned": cache.pinned_pages if cache else 0}
+        return self._scheduler.call(snapshot)
+
+    def shutdown(self) -> None:
+        """Stop the model's loop: requests in flight end with finish_reason "abort" and
+        give their pages back; later calls raise. (Interpreter exit does this too.)"""
+        self._scheduler.shutdown()
 
     def chat_prompt(self, messages, tools: list | None = None) -> str:
         if self.tokenizer is None:
@@ -189,20 +257,43 @@ class Model:
 
     def logits(self, prompt) -> np.ndarray:
         """Next-token logits [prompt_tokens, vocab] (f32) at every prompt position."""
-        return self.engine.logits(self.engine.encode_prompt(prompt))
+        ids = self.engine.encode_prompt(prompt)
+        return self._scheduler.call(lambda: self.engine.logits(ids))
 
     # ------------------------------------------------------------ helpers
 
+    @classmethod
+    def _sampling_from(cls, kwargs: dict) -> SamplingParams:
+        """SamplingParams from keyword arguments named as in `submit`."""
+        names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                 "ignore_eos", "stop_token_ids")
+        unknown = set(kwargs) - set(names)
+        if unknown:
+            raise InvalidRequestError(f"unknown argument(s) {sorted(unknown)}; a request "
+                                      f"takes {', '.join(names)}, tools and speculative")
+        defaults = dict(max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                        seed=0, stop=None, ignore_eos=False, stop_token_ids=None)
+        return cls._sampling(*({**defaults, **kwargs}[n] for n in names))
+
     @staticmethod
-    def _sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos):
+    def _sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos,
+                  stop_token_ids=None):
         try:
             stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
             return SamplingParams(temperature=float(temperature), top_k=int(top_k),
                                   top_p=float(top_p), min_p=float(min_p), seed=int(seed),
                                   max_tokens=int(max_tokens), stop=stops,
-                                  ignore_eos=bool(ignore_eos))
+                                  ignore_eos=bool(ignore_eos),
+                                  stop_token_ids=tuple(int(t) for t in stop_token_ids or ()))
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"invalid sampling value: {e}") from e
+
+    def _encode_any(self, prompt_or_messages, tools=None) -> tuple[list[int], tuple[int, int]]:
+        """A prompt's or a conversation's ids and tiers."""
+        p = prompt_or_messages
+        if isinstance(p, (list, tuple)) and p and all(isinstance(m, dict) for m in p):
+            return self._encode_chat(list(p), tools)
+        return self._encode(p)
 
     def _encode(self, prompt) -> tuple[list[int], tuple[int, int]]:
         """Token ids and (stable end, context end) tier boundaries of a prompt."""
@@ -250,29 +341,38 @@ class Model:
     def _load_draft(self, path: str) -> ModelDraft:
         """A separate draft model, checked against the target's vocabulary and the memory
         the plan left (its weights and its KV over the same pages) before it is read."""
-        if path not in self._drafts:
-            source = open_source(path)  # parsed once: its config, then its weights
-            config = source.config
-            if config.vocab_size != self.config.vocab_size:
-                raise InvalidRequestError(
-                    f"draft model {path} has a vocabulary of {config.vocab_size} but the "
-                    f"target's is {self.config.vocab_size}; a draft must share the tokenizer")
-            size = draft_bytes(self.plan, config, path, taken=sum(self._draft_bytes.values()))
-            loaded = load_weights(source, dtype=np.dtype(self.dtype))
-            params = params_from_arrays(loaded.params, jnp.dtype(self.dtype))
-            self._drafts[path] = ModelDraft(str(path), config, params)
-            self._draft_bytes[path] = size
-        return self._drafts[path]
+        with self._draft_lock:
+            if path not in self._drafts:
+                self._drafts[path], self._draft_bytes[path] = self._read_draft(path)
+            return self._drafts[path]
 
-    def _run(self, prompts, params, speculative=None) -> list[GenerationResult]:
+    def _read_draft(self, path: str) -> tuple[ModelDraft, int]:
+        source = open_source(path)  # parsed once: its config, then its weights
+        config = source.config
+        if config.vocab_size != self.config.vocab_size:
+            raise InvalidRequestError(
+                f"draft model {path} has a vocabulary of {config.vocab_size} but the "
+                f"target's is {self.config.vocab_size}; a draft must share the tokenizer")
+        size = draft_bytes(self.plan, config, path, taken=sum(self._draft_bytes.values()))
+        loaded = load_weights(source, dtype=np.dtype(self.dtype))
+        params = params_from_arrays(loaded.params, jnp.dtype(self.dtype))
+        return ModelDraft(str(path), config, params), size
+
+    def _submit(self, encoded, params: SamplingParams, speculative,
+                aio_loop=None) -> list[RequestHandle]:
+        """Queue encoded prompts as requests of one speculative kind; refusals raise here,
+        in the caller's thread."""
         spec, draft = self._speculation(speculative)
-        results: list[GenerationResult | None] = [None] * len(prompts)
-        ids, tiers = zip(*prompts)
-        for index, _, done in self.engine.run(list(ids), [params] * len(prompts), list(tiers),
-                                              spec, draft):
-            if done is not None:
-                results[index] = done
-        return results
+        if spec is not None:
+            check_request(spec, params)
+        requests = [self.engine.request(self._scheduler.new_id(), ids, params, tiers,
+                                        worst_case=spec is not None)
+                    for ids, tiers in encoded]
+        return self._scheduler.submit(requests, spec, draft, aio_loop)
+
+    @staticmethod
+    def _results(handles: list[RequestHandle]) -> list[GenerationResult]:
+        return [h.result() for h in handles]
 
     @property
     def prefix_cache(self):
@@ -282,7 +382,7 @@ class Model:
     def warmup(self, progress: bool = True) -> list[dict]:
         """Compile every bucket of the plan now (see Steps.warmup); returns compile times."""
         e = self.engine
-        return e.steps.warmup(e.params, e.kv, e.buckets, progress)
+        return self._scheduler.call(lambda: e.steps.warmup(e.params, e.kv, e.buckets, progress))
 
     def info(self) -> dict:
         c, e = self.config, self.engine

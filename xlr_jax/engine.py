@@ -14,6 +14,8 @@ A row that finishes meanwhile only wastes its slot in that one step.
 from __future__ import annotations
 
 import copy
+import itertools
+import os
 import threading
 import time
 from collections import deque
@@ -26,7 +28,8 @@ import numpy as np
 from xlr_jax.config import ModelConfig
 from xlr_jax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
 from xlr_jax.executables import ExecutableStore
-from xlr_jax.mapper import ExecutionPlan, page_width_buckets, powers_of_two_upto
+from xlr_jax.mapper import (MAX_PINNED_SHARE, MAX_PREEMPTIONS, ExecutionPlan,
+                            page_width_buckets, powers_of_two_upto)
 from xlr_jax.model import Params
 from xlr_jax.paged_kv import (PagedKV, PagePool, SequencePages, copy_pages, leaves,
                               read_pages, write_pages)
@@ -43,7 +46,7 @@ from xlr_jax.tokenizer import Tokenizer
 class GenerationResult:
     text: str
     token_ids: list[int]
-    finish_reason: str          # "stop" (EOS or a stop string) or "length"
+    finish_reason: str          # "stop" (EOS or a stop string), "length" or "abort"
     metrics: dict = field(default_factory=dict)
     # SMC-SD: every final particle, {"token_ids", "log_weight" (normalized)}; with
     # metrics["log_normalizer"] they give unbiased weighted estimates (see smc.py)
@@ -95,17 +98,29 @@ class _Request:
         self.seq = SequencePages(pool)
         self.decoder = tokenizer.incremental_decoder() if tokenizer else None
         self.stop_text = _StopText(params.stop)
-        self.eos = frozenset() if params.ignore_eos or not tokenizer else tokenizer.eos_token_ids
+        eos = frozenset() if params.ignore_eos or not tokenizer else tokenizer.eos_token_ids
+        self.eos = eos | frozenset(params.stop_token_ids)
         self.limit = min(params.max_tokens, max_context - len(prompt_ids))
         # pages this request may ever hold: prompt plus every token it may generate
         self.max_pages = -(-(len(prompt_ids) + self.limit) // pool.page_size)
         self.generated: list[int] = []
         self.finish_reason: str | None = None
+        self.preemptions = 0
+        self.protected = False  # preempted too often: admitted for its worst case, kept
+        self.admitted_at = 0  # admission order: the newest running request is preempted first
         self.start, self.first_token_at, self.last_token_at = start, None, None
 
     @property
     def prefilled(self) -> int:
         return self.seq.length
+
+    @property
+    def context_ids(self) -> list[int]:
+        """What the KV must hold before the next decode step: the prompt and every
+        generated token but the last (not fed yet). A preempted request prefills these
+        again when it resumes."""
+        return self.prompt_ids + self.generated[:-1]
+
 
     def chunk_end(self, chunk_max: int) -> int:
         """Where the next prefill chunk ends: after `chunk_max` tokens, or at the stable
@@ -145,18 +160,32 @@ class _Request:
             self.finish_reason = "stop" if hit else self.finish_reason
         return piece
 
+    def end(self, reason: str) -> str:
+        """End the request before its stop rules do; returns the text still held back."""
+        self.finish_reason = reason
+        piece, _ = self.stop_text.add(self.decoder.flush() if self.decoder else "")
+        return piece + self.stop_text.finish()
+
+    def abort(self) -> GenerationResult:
+        """End the request from outside the loop ("abort"), with what it has so far; the
+        loop gives its pages back before its next step."""
+        self.end("abort")
+        return self.result()
+
     def result(self) -> GenerationResult:
         n = len(self.generated)
-        ttft = self.first_token_at - self.start
-        decode_s = self.last_token_at - self.first_token_at
+        first = self.first_token_at or time.perf_counter()  # aborted before a token
+        last = self.last_token_at or first
+        decode_s = last - first
         metrics = {
-            "ttft_s": ttft,
+            "ttft_s": first - self.start if self.first_token_at else None,
             "decode_tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             "itl_s": decode_s / (n - 1) if n > 1 else 0.0,
             "prompt_tokens": len(self.prompt_ids),
             "completion_tokens": n,
-            "total_s": self.last_token_at - self.start,
+            "total_s": last - self.start,
             "cached_tokens": self.cached_tokens,
+            "preemptions": self.preemptions,
             "prefilled_tokens": len(self.prompt_ids) - self.cached_tokens,
             **self.cache_metrics,
             **self.spec_metrics,
@@ -173,13 +202,17 @@ class Engine:
                  max_context: int, attn_impl: str = "auto", kv_dtype=jnp.float32,
                  buckets: Buckets | None = None, prefix_cache: bool = True,
                  cache_namespace: str = "", tier_store: TierStore | None = None,
-                 particle_cap: int = 4, compiler_options: dict | None = None):
+                 particle_cap: int = 4, compiler_options: dict | None = None,
+                 max_preemptions: int = MAX_PREEMPTIONS,
+                 max_pinned_share: float = MAX_PINNED_SHARE):
         self.config, self.params, self.tokenizer = config, params.per_layer(), tokenizer
         self.max_context = max_context
         self.max_batch = max_batch
         self.pool = PagePool(num_pages, page_size)
         # full prompt pages shared across requests; the namespace keeps models apart
-        self.prefix_cache = PrefixCache(self.pool, cache_namespace) if prefix_cache else None
+        self.prefix_cache = (PrefixCache(self.pool, cache_namespace, max_pinned_share)
+                             if prefix_cache else None)
+        self.max_preemptions = max_preemptions
         self.tier_store = tier_store if prefix_cache else None  # stable tiers on disk
         self._persisted: set[tuple] = set()
         self.kv = PagedKV.create(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
@@ -195,7 +228,11 @@ class Engine:
             batch=powers_of_two_upto(max_batch),
             chunk=powers_of_two_upto(prefill_chunk, start=16),
             pages=page_width_buckets(-(-max_context // page_size), dense=True))
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # one driver at a time; logits may run inside serve
+        self._admissions = itertools.count(1)
+        self.preemptions = 0
+        # check the page pool's invariants after every step (slow; tests turn it on)
+        self.debug_checks = os.environ.get("XLR_DEBUG_CHECKS") == "1"
 
     @classmethod
     def from_plan(cls, config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
@@ -209,7 +246,9 @@ class Engine:
                    buckets=plan.buckets, prefix_cache=prefix_cache,
                    cache_namespace=cache_namespace, tier_store=tier_store,
                    particle_cap=plan.speculative.particle_cap,
-                   compiler_options=plan.compiler_options)
+                   compiler_options=plan.compiler_options,
+                   max_preemptions=plan.max_preemptions,
+                   max_pinned_share=plan.max_pinned_share)
 
     def use_step_store(self, store: ExecutableStore) -> int:
         """Keep compiled steps in `store` across processes; take (and run once, on the
@@ -247,6 +286,29 @@ class Engine:
 
     # ------------------------------------------------------------ running
 
+    def request(self, index: int, ids: list[int], params: SamplingParams,
+                tiers: tuple[int, int] = (0, 0), worst_case: bool = False) -> "_Request":
+        """A request ready to queue; refused now if it can never fit the pool: its prompt
+        and first token, or with `worst_case` (speculative decoding, which reserves
+        every page up front) its prompt plus max_tokens."""
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"stop token id {bad[0]} is outside the vocabulary "
+                                      f"[0, {self.config.vocab_size})")
+        r = _Request(index, ids, params, self.pool, self.tokenizer, self.max_context,
+                     time.perf_counter(), tiers)
+        usable = self.pool.num_pages - 1
+        if worst_case and r.max_pages > usable:
+            raise PromptTooLongError(
+                f"{len(r.prompt_ids)} prompt tokens plus up to {r.limit} new ones need "
+                f"{r.max_pages} KV pages but the pool has {usable}; lower max_tokens "
+                "or load the model with more num_pages")
+        if -(-(len(ids) + 1) // self.pool.page_size) > usable:
+            raise PromptTooLongError(
+                f"the prompt's {len(ids)} tokens need more KV pages than the pool's "
+                f"{usable}; shorten it or load the model with more num_pages")
+        return r
+
     def run(self, prompts: list[list[int]], params: list[SamplingParams],
             tiers: list[tuple[int, int]] | None = None, spec: SpecConfig | None = None,
             draft: Draft | None = None
@@ -258,33 +320,47 @@ class Engine:
         `spec` with its resolved `draft` decodes speculatively (see spec_runner).
         """
         tiers = tiers or [(0, 0)] * len(prompts)
+        # refused before any work starts: nothing else is lost
+        waiting = deque(self.request(i, ids, p, t, worst_case=spec is not None)
+                        for i, (ids, p, t) in enumerate(zip(prompts, params, tiers)))
+        yield from self.serve(waiting, spec, draft)
+
+    def serve(self, waiting: deque, spec: SpecConfig | None = None, draft: Draft | None = None,
+              poll=None) -> Iterator[tuple[int, str, GenerationResult | None]]:
+        """Run the requests of `waiting` until none is left, like `run`. `poll(waiting,
+        active)` is called before every step: it may queue more requests (of the same
+        `spec`) on `waiting` (None: nothing may join now) and end requests of either
+        with `_Request.abort` (the loop drops them and gives their pages back)."""
+        poll = poll or (lambda waiting, active: None)
         with self._lock:
-            start = time.perf_counter()
-            waiting = deque(_Request(i, ids, p, self.pool, self.tokenizer, self.max_context, start,
-                                     t)
-                            for i, (ids, p, t) in enumerate(zip(prompts, params, tiers)))
-            usable = self.pool.num_pages - 1
-            for r in waiting:  # refused before any work starts: nothing else is lost
-                if r.max_pages > usable:
-                    raise PromptTooLongError(
-                        f"{len(r.prompt_ids)} prompt tokens plus up to {r.limit} new ones need "
-                        f"{r.max_pages} KV pages but the pool has {usable}; lower max_tokens "
-                        "or load the model with more num_pages")
             active: list[_Request] = []  # updated in place: the cleanup below sees it
             try:
                 if spec is None:
-                    yield from self._decode_loop(waiting, active)
+                    yield from self._decode_loop(waiting, active, poll)
                 else:
-                    yield from SpecRunner(self, spec, draft).loop(waiting, active)
+                    yield from SpecRunner(self, spec, draft).loop(waiting, active, poll)
             finally:  # also when the caller abandons a stream: give every page back
                 for r in list(waiting) + active:
                     if r.seq.pages:
                         r.seq.release()
 
-    def _decode_loop(self, waiting: deque, active: list[_Request]):
+    def drop_ended(self, active: list["_Request"]) -> None:
+        """Remove requests ended from outside the loop (aborted), giving their pages back."""
+        for r in active:
+            if r.finish_reason is not None:
+                r.seq.release()
+        active[:] = [r for r in active if r.finish_reason is None]
+
+    def _decode_loop(self, waiting: deque, active: list[_Request], poll):
         inflight = None  # (rows, device tokens) of a decode step not read back yet
-        while waiting or active or inflight:
-            if inflight and inflight[0] == active and self._can_run_ahead(active):
+        while True:
+            poll(waiting, active)
+            self.drop_ended(active)
+            if not (waiting or active or inflight):
+                return
+            joinable = bool(waiting) and len(active) < self.max_batch
+            if (inflight and inflight[0] == active and not joinable
+                    and self._can_run_ahead(active) and self._room_for_a_step(active)):
                 # dispatch the next step on the device tokens before reading them
                 # back: host work and dispatch overlap the step in flight
                 ahead = (list(active), self._dispatch_decode(active, inflight[1]))
@@ -294,18 +370,22 @@ class Engine:
                 if inflight:
                     yield from self._settle(*inflight)
                     inflight = None
-                yield from self._admit_and_prefill(waiting, active)
+                yield from self._admit_and_prefill(waiting, active, on_need=True)
+                yield from self._make_room(waiting, active)
                 if active:
                     inflight = (list(active), self._dispatch_decode(active))
             active[:] = [r for r in active if r.finish_reason is None]
+            if self.debug_checks:
+                self.pool.check([r.seq for r in active])
 
     def _admit_and_prefill(self, waiting: deque, active: list[_Request],
-                           max_requests: int | None = None, after_prefill=None):
+                           max_requests: int | None = None, after_prefill=None,
+                           on_need: bool = False):
         """Drop finished requests from `active`, admit what fits, prefill it, and add the
         ones still going to `active`. `after_prefill(admitted)` runs before any finished
-        request gives its pages back."""
+        request gives its pages back. `on_need`: see `_admit`."""
         active[:] = [r for r in active if r.finish_reason is None]
-        admitted = self._admit(waiting, active, max_requests or self.max_batch)
+        admitted = self._admit(waiting, active, max_requests or self.max_batch, on_need)
         if admitted:
             pieces = self._prefill(admitted)
             if after_prefill:
@@ -319,29 +399,75 @@ class Engine:
         flight only wastes one row of one step; pages are budgeted at admission)."""
         return all(len(r.generated) + 2 <= r.limit for r in active)
 
-    def _admit(self, waiting: deque, active: list, max_requests: int) -> list[_Request]:
-        """Admit waiting requests whose worst-case pages fit beside the running ones'.
+    def _admit(self, waiting: deque, active: list, max_requests: int,
+               on_need: bool = False) -> list[_Request]:
+        """Admit waiting requests, in order, while they fit beside the running ones.
 
-        Budgeting every request's prompt plus max_tokens up front means a running
-        sequence never runs out of pages mid-decode (there is no preemption): what
-        the running requests may still allocate is owed to them, and a newcomer
-        takes, pins or restores only pages beyond it, or waits.
+        Worst case (speculative loops): a request is budgeted its prompt plus
+        max_tokens up front, so it never runs out of pages. On need (the decode loop):
+        its prompt plus one token's page, beside one page for each running request's
+        next token; requests then grow as they decode and `_make_room` preempts when
+        the pool runs short. Either way, what running requests are owed is taken,
+        pinned or restored by no newcomer: one that does not fit waits.
         """
         admitted: list[_Request] = []
         while waiting and len(active) + len(admitted) < max_requests:
             req = waiting[0]
-            owed = sum(r.max_pages - len(r.seq.pages) for r in active + admitted)
-            if not self._take_cached_prefix(req, owed):
-                if not active and not admitted:  # nothing will ever free a page
+            owed = sum(self._owed(r, on_need) for r in active + admitted)
+            if not self._take_cached_prefix(req, owed, self._need(req, on_need)):
+                if not active and not admitted:  # nothing running will free a page
+                    if self.prefix_cache and self.prefix_cache.unpin_lru():
+                        continue  # its pages are evictable now: try again
                     raise OutOfPagesError(
-                        f"a request needs up to {req.max_pages} KV pages but only "
-                        f"{self.pool.num_available} are free or evictable (the rest are "
-                        "pinned by registered stable tiers); unregister one "
-                        "(model.prefix_cache.unregister_stable) or load with more num_pages")
+                        f"a request needs {self._need(req, on_need)} KV pages but only "
+                        f"{self.pool.num_available} are free or evictable; lower max_tokens "
+                        "or load the model with more num_pages")
                 break  # wait for running sequences to finish and free pages
-            self._apply_copies(req.seq.reserve(len(req.prompt_ids)))
+            self._apply_copies(req.seq.reserve(len(req.context_ids)))
+            req.admitted_at = next(self._admissions)
             admitted.append(waiting.popleft())
         return admitted
+
+    def _need(self, req: _Request, on_need: bool) -> int:
+        """The pages a request must be able to hold when it is admitted."""
+        usable = self.pool.num_pages - 1
+        if on_need and not req.protected:
+            return -(-(len(req.context_ids) + 1) // self.pool.page_size)
+        return min(req.max_pages, usable)
+
+    def _owed(self, req: _Request, on_need: bool) -> int:
+        """Pages a running request may still take that no newcomer may use."""
+        if on_need and not req.protected:
+            return 1  # its next token's page
+        return max(0, min(req.max_pages, self.pool.num_pages - 1) - len(req.seq.pages))
+
+    def _room_for_a_step(self, active: list[_Request]) -> bool:
+        return sum(r.seq.pages_to_reserve(r.seq.length + 1)
+                   for r in active) <= self.pool.num_available
+
+    def _make_room(self, waiting: deque, active: list[_Request]):
+        """Before a decode step, find every running request the page its next token
+        needs. While the pool is short: first pinned stable tiers are unpinned, least
+        recently used first (their idle pages become evictable); then the most recently
+        admitted request that is not protected is preempted: it gives its pages back
+        (its prompt's stay cached) and waits at the head of the queue, to resume by
+        prefilling what it had. A request nothing can make room for ends at "length"."""
+        while active and not self._room_for_a_step(active):
+            if self.prefix_cache and self.prefix_cache.unpin_lru():
+                continue  # first, pinned tiers become evictable, least recently used first
+            victims = [r for r in active if not r.protected] if len(active) > 1 else []
+            if not victims:
+                last = max(active, key=lambda r: r.admitted_at)
+                active.remove(last)
+                yield from self._finish_done([last], [last.end("length")])
+                continue
+            victim = max(victims, key=lambda r: r.admitted_at)
+            active.remove(victim)
+            victim.seq.release()
+            victim.preemptions += 1
+            victim.protected = victim.preemptions >= self.max_preemptions
+            self.preemptions += 1
+            waiting.appendleft(victim)
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         """Run the copy-on-write page copies `SequencePages.reserve` asked for."""
@@ -351,24 +477,25 @@ class Engine:
             for name, kv in self.draft_kvs.items():  # a draft model's KV on the same pages
                 self.draft_kvs[name] = copy_pages(kv, src, dst)
 
-    def _take_cached_prefix(self, req: _Request, owed: int) -> bool:
+    def _take_cached_prefix(self, req: _Request, owed: int, need: int) -> bool:
         """Share the longest cached run of the prompt's pages (at least one token is left
         to prefill: its logits give the first sampled token), pinning the stable tier and
-        restoring it from disk, if the request's worst case then fits beside the `owed`
-        pages. Otherwise undo all of it (pinning takes cached pages out of the evictable
-        LRU) and return False."""
+        restoring it from disk, if the request's `need` of pages then fits beside the
+        `owed` ones. Otherwise undo all of it (pinning takes cached pages out of the
+        evictable LRU) and return False."""
         cache = self.prefix_cache
         stable = req.prompt_ids[:req.stable_end] if cache is not None else []
         pinned_here = bool(stable) and tuple(stable) not in cache.registered()
-        if pinned_here:
+        if stable:  # registers it, or marks it the most recently used
             cache.register_stable(stable)
         if stable and self.tier_store and \
                 cache.match(stable, len(stable), take=False)[1] < len(stable):
             self._restore_tier(stable, owed)
         if cache is not None:
-            req.seq.pages, req.seq.length = cache.match(req.prompt_ids, len(req.prompt_ids) - 1)
+            ids = req.context_ids
+            req.seq.pages, req.seq.length = cache.match(ids, len(ids) - 1)
         shared_tail = bool(req.seq.length % self.pool.page_size)  # copied on write
-        if req.max_pages - len(req.seq.pages) + shared_tail <= self.pool.num_available - owed:
+        if need - len(req.seq.pages) + shared_tail <= self.pool.num_available - owed:
             req.cached_tokens = req.seq.length
             return True
         req.seq.release()
@@ -445,11 +572,11 @@ class Engine:
         chunk_max = self.buckets.chunk[-1]
         pieces = [""] * len(reqs)
         while True:
-            todo = [(i, r) for i, r in enumerate(reqs) if r.prefilled < len(r.prompt_ids)]
+            todo = [(i, r) for i, r in enumerate(reqs) if r.prefilled < len(r.context_ids)]
             if not todo:
                 return pieces
             rows = pick_bucket(len(todo), self.buckets.batch)
-            parts = [r.prompt_ids[r.prefilled:r.chunk_end(chunk_max)] for _, r in todo]
+            parts = [r.context_ids[r.prefilled:r.chunk_end(chunk_max)] for _, r in todo]
             width = pick_bucket(max(len(p) for p in parts), self.buckets.chunk)
             tokens = np.zeros((rows, width), np.int32)
             start = np.zeros(rows, np.int32)
@@ -466,6 +593,8 @@ class Engine:
             now = time.perf_counter()
             for j, (i, r) in enumerate(todo):
                 r.seq.length += int(num_new[j])
+                if r.generated:  # resumed after a preemption: its next token is known
+                    continue
                 if r.prefilled == len(r.prompt_ids):
                     self._publish(r, finished=False)
                     self._persist_tier(r)

@@ -31,3 +31,7 @@ class PlanError(InvalidRequestError):
 
 class OutOfPagesError(XlrError):
     """The KV page pool has no free page left for a request."""
+
+
+class QueueFullError(XlrError):
+    """More requests are waiting than the model's max_waiting allows; retry later."""

@@ -30,6 +30,9 @@ DTYPE_NAMES = {"float32": "float32", "f32": "float32", "bfloat16": "bfloat16",
 KV_DTYPE_NAMES = {**DTYPE_NAMES, "int8": "int8", "fp8": "float8_e4m3fn",
                   "float8_e4m3fn": "float8_e4m3fn"}
 ATTN_IMPLS = ("auto", "pallas", "xla")
+WAITING_PER_SLOT = 32      # default max_waiting per max_batch slot
+MAX_PREEMPTIONS = 2        # a request preempted this often is protected: it runs to the end
+MAX_PINNED_SHARE = 0.5     # stable tiers pinning more of the pool unpin LRU-first
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Workload:
     max_batch: int | None = None
     prefill_chunk: int | None = None
     draft: str | None = None      # a draft model for speculative decoding, if any
+    max_waiting: int | None = None  # requests queued beyond the running batch
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ class ExecutionPlan:
     max_context: int
     max_batch: int
     prefill_chunk: int
+    max_waiting: int
+    max_preemptions: int           # then a request runs to its end, never preempted
+    max_pinned_share: float        # of the pool that registered stable tiers may pin
     batch_buckets: tuple[int, ...]
     chunk_buckets: tuple[int, ...]
     page_buckets: tuple[int, ...]
@@ -105,6 +112,9 @@ class ExecutionPlan:
             raw[key] = tuple(raw[key])
         raw["speculative"] = SpeculativePolicy(**raw["speculative"])
         raw["memory"] = MemoryBudget(**raw["memory"])
+        raw.setdefault("max_waiting", WAITING_PER_SLOT * raw["max_batch"])  # older plans
+        raw.setdefault("max_preemptions", MAX_PREEMPTIONS)
+        raw.setdefault("max_pinned_share", MAX_PINNED_SHARE)
         return cls(**raw)
 
 
@@ -272,12 +282,25 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         draft=workload.draft, gamma=4, particle_cap=8 if gpu else 4,
         rule="N = 1 + (free pages - 10% headroom) // pages per extra particle "
              "(its partial page + gamma + 1 tokens), clamped to [1, min(cap, max_batch)]")
+    waiting = choose("max_waiting", workload.max_waiting, WAITING_PER_SLOT * batch,
+                     f"{WAITING_PER_SLOT} queued requests per batch slot: a burst is absorbed, "
+                     "a flood is refused at once (QueueFullError) instead of timing out")
+    if waiting < 1:
+        raise PlanError(f"max_waiting must be a positive integer (got {waiting})")
+    why["memory_policy"] = (
+        "requests are admitted on need (prompt + one token); when a step runs short, "
+        f"pinned stable tiers are unpinned least recently used first, then the newest "
+        f"request is preempted and later resumed by prefill, at most {MAX_PREEMPTIONS} "
+        "times (then it is admitted for its worst case and runs to the end); stable "
+        f"tiers pin at most {MAX_PINNED_SHARE:.0%} of the pool")
     why["speculative"] = ("no draft model given: plain decoding until one is set"
                           if workload.draft is None else f"draft {workload.draft}")
     return ExecutionPlan(
         backend=hardware.backend, device_name=hardware.device_name, compute_dtype=compute,
         kv_dtype=kv, page_size=ps, num_pages=pages, max_context=context, max_batch=batch,
-        prefill_chunk=chunk, batch_buckets=batch_buckets, chunk_buckets=chunk_buckets,
+        prefill_chunk=chunk, max_waiting=waiting, max_preemptions=MAX_PREEMPTIONS,
+        max_pinned_share=MAX_PINNED_SHARE, batch_buckets=batch_buckets,
+        chunk_buckets=chunk_buckets,
         page_buckets=page_buckets, attn_impl=impl, speculative=spec, memory=memory,
         compiler_options=xla, reasons=why)
 

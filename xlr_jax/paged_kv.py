@@ -175,6 +175,21 @@ class PagePool:
         assert self.refcounts[page] == 0, f"page {page} is in use"
         self._free.append(page)
 
+    def check(self, sequences) -> None:
+        """The pool's invariants (a debug check; tests turn it on): each page's refcount is
+        the number of `sequences` holding it, and every page but the scratch one is
+        exactly one of free, held, or cached at refcount 0."""
+        held = np.zeros(self.num_pages, np.int32)
+        for seq in sequences:
+            np.add.at(held, np.asarray(seq.pages, np.int64), 1)
+        assert (held[1:] == self.refcounts[1:]).all(), "a refcount differs from its holders"
+        free = list(self._free)
+        assert len(set(free)) == len(free) and 0 not in free, "the free list repeats a page"
+        idle = {p for p in range(1, self.num_pages) if self.refcounts[p] == 0}
+        cached = {p for p in idle if self.cache and self.cache.holds(p)}
+        assert not set(free) & cached, "a free page is still cached"
+        assert set(free) | cached == idle, "a page at refcount 0 is neither free nor cached"
+
     def is_shared(self, page: int) -> bool:
         """Writing the page would change what another reader sees: copy it first."""
         return self.refcounts[page] > 1 or bool(self.cache and self.cache.holds(page))
@@ -196,12 +211,18 @@ class SequencePages:
         self.pool.incref(child.pages)
         return child
 
+    def pages_to_reserve(self, new_length: int) -> int:
+        """Pages `reserve(new_length)` would allocate (new ones, and a copy of a shared
+        partial last page)."""
+        size = self.pool.page_size
+        shared_tail = bool(self.length % size) and self.pool.is_shared(self.pages[-1])
+        return max(0, -(-new_length // size) - len(self.pages)) + shared_tail
+
     def reserve(self, new_length: int) -> list[tuple[int, int]]:
         """Make room to write positions [length, new_length); returns COW copies (src, dst)."""
         size = self.pool.page_size
         shared_tail = bool(self.length % size) and self.pool.is_shared(self.pages[-1])
-        needed = max(0, -(-new_length // size) - len(self.pages))
-        fresh = self.pool.allocate(needed + shared_tail)  # all or nothing
+        fresh = self.pool.allocate(self.pages_to_reserve(new_length))  # all or nothing
         copies = []
         if shared_tail:
             copies.append((self.pages[-1], fresh[0]))

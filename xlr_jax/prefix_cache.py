@@ -9,7 +9,8 @@ writing: copy-on-write), so a tier that ends mid-page still hits in full.
 A cached page is never written. While sequences use it its refcount holds
 it; at refcount 0 it stays cached in LRU order until the pool needs pages.
 Pages of a registered stable tier are pinned: never evicted while the tier
-is registered.
+is registered. Tiers are unpinned least recently used first when they would
+pin more than half the pool, and when the engine runs short of pages.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class TierCount:
 
 
 class PrefixCache:
-    def __init__(self, pool, namespace: str):
+    def __init__(self, pool, namespace: str, max_pinned_share: float = 1.0):
         self.pool, self.namespace = pool, namespace
         self.page_size = pool.page_size
         self._page_of: dict[bytes, int] = {}
@@ -73,7 +74,10 @@ class PrefixCache:
         self._partials: dict[bytes, tuple[bytes, int]] = {}  # key -> (parent key, tokens)
         self._lru: OrderedDict[int, None] = OrderedDict()  # refcount-0 pages, oldest first
         self._pinned_keys: Counter[bytes] = Counter()
-        self._tiers: set[tuple] = set()              # registered stable tiers (token tuples)
+        # registered stable tiers (token tuples), least recently used first
+        self._tiers: OrderedDict[tuple, None] = OrderedDict()
+        # pins beyond this share of the pool unpin the least recently used tiers
+        self.max_pinned_pages = int(max_pinned_share * (pool.num_pages - 1))
         self.tiers = {t: TierCount() for t in TIERS}
         self.requests = 0
         pool.cache = self
@@ -168,11 +172,16 @@ class PrefixCache:
         return freed
 
     def register_stable(self, tokens) -> None:
-        """Pin the stable tier `tokens`: its pages are never evicted until unregistered."""
+        """Pin the stable tier `tokens`: its pages are never evicted until unregistered
+        (by the caller, by `unpin_lru` under page pressure, or when newer tiers would pin
+        more than `max_pinned_pages`: the least recently used go first)."""
         tokens = tuple(int(t) for t in tokens)
         if tokens in self._tiers:
+            self.touch(tokens)
             return
-        self._tiers.add(tokens)
+        self._tiers[tokens] = None
+        while self._tier_pages() > self.max_pinned_pages and self.unpin_lru(keep=tokens):
+            pass
         for key in self._tier_keys(tokens):
             self._pinned_keys[key] += 1
             if key in self._page_of:
@@ -183,7 +192,7 @@ class PrefixCache:
         tokens = tuple(int(t) for t in tokens)
         if tokens not in self._tiers:
             raise KeyError("this stable tier is not registered")
-        self._tiers.remove(tokens)
+        del self._tiers[tokens]
         for key in self._tier_keys(tokens):
             self._pinned_keys[key] -= 1
             if not self._pinned_keys[key]:
@@ -191,6 +200,20 @@ class PrefixCache:
             page = self._page_of.get(key)
             if page is not None and self.pool.refcounts[page] == 0 and not self._pinned(page):
                 self._lru[page] = None
+
+    def touch(self, tokens) -> None:
+        """A request used this registered tier: it is the most recently used now."""
+        self._tiers.move_to_end(tuple(tokens))
+
+    def unpin_lru(self, keep: tuple | None = None) -> bool:
+        """Unregister the least recently used tier (not `keep`); False if there is none."""
+        lru = next((t for t in self._tiers if t != keep), None)
+        if lru is not None:
+            self.unregister_stable(lru)
+        return lru is not None
+
+    def _tier_pages(self) -> int:
+        return sum(-(-len(t) // self.page_size) for t in self._tiers)
 
     def registered(self) -> list[tuple]:
         """The registered stable tiers' token ids."""

@@ -27,6 +27,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # end like EOS
 
     def __post_init__(self):
         checks = [

@@ -51,27 +51,29 @@ class SpecRunner:
             engine.draft_steps[draft.name] = Steps(c, engine.steps.attn_impl,
                                                   engine.steps.compiler_options)
 
-    def loop(self, waiting, active):
+    def loop(self, waiting, active, poll):
         e, smc = self.engine, self.spec.method == "smc"
-        for r in waiting:
-            r.spec_metrics = {"target_passes": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                              "accepted_per_pass": 0.0, "acceptance_rate": 0.0}
-            if smc:  # also for a request that ends at its first token, before particles
-                r.spec_metrics.update(SmcWatch(self.spec.min_agreement).metrics())
-            if smc and r.params.greedy:
-                raise InvalidRequestError("SMC speculative decoding samples: set temperature "
-                                          "> 0, or use method exact for greedy decoding")
-            if smc and r.params.filtered:  # q must cover every token p keeps
-                raise InvalidRequestError("SMC speculative decoding samples at a temperature "
-                                          "only: top_k, top_p and min_p would keep the draft "
-                                          "from proposing tokens the target allows; drop "
-                                          "them, or use method exact")
-        while waiting or active:
+        while True:
+            poll(waiting, active)
+            e.drop_ended(active)
+            if not (waiting or active):
+                return
+            for r in waiting:
+                if not r.spec_metrics:  # new in this loop
+                    self.prepare(r)
             yield from e._admit_and_prefill(waiting, active, 1 if smc else None,
                                             after_prefill=self._draft_prefill)
             if active:
-                yield from (self._smc(active[0]) if smc else self._exact(active))
+                yield from (self._smc(active[0], poll) if smc else self._exact(active))
             active[:] = [r for r in active if r.finish_reason is None]
+
+    def prepare(self, r) -> None:
+        """Check a request against the method (refusals raise) and start its metrics."""
+        check_request(self.spec, r.params)
+        r.spec_metrics = {"target_passes": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                          "accepted_per_pass": 0.0, "acceptance_rate": 0.0}
+        if self.spec.method == "smc":  # also for a request that ends at its first token
+            r.spec_metrics.update(SmcWatch(self.spec.min_agreement).metrics())
 
     # ------------------------------------------------------------ one cycle
 
@@ -167,8 +169,9 @@ class SpecRunner:
         now = fits(spec.gamma)
         return now if now <= len(particles) else max(len(particles), fits(2 * spec.gamma + 1))
 
-    def _smc(self, req):
-        """Run one request's particles to the end, then release the chosen one's text."""
+    def _smc(self, req, poll):
+        """Run one request's particles to the end, then release the chosen one's text.
+        `poll` runs between cycles; a request it aborts ends at once."""
         spec = self.spec
         resample_key, answer_key = draw_keys(req.params.seed)
         particles, log_w = [req], np.zeros(1)
@@ -176,6 +179,12 @@ class SpecRunner:
         try:
             cycle = 0
             while any(p.finish_reason is None for p in particles):
+                if cycle:
+                    poll(None, [req])  # cancellations only: nothing joins an SMC loop
+                if req.finish_reason == "abort":
+                    for p in particles:
+                        p.seq.release()
+                    return
                 # N follows free pages both ways: shrink by resampling, grow by splitting
                 n = 1 if watch.single else self._particle_count(req, particles)
                 degenerate = float(ess(log_w)) < spec.ess_threshold * len(particles)
@@ -241,6 +250,20 @@ class SpecRunner:
         for r in reqs:
             _, e.draft_kvs[name] = e.prefill_all(e.draft_steps[name], self.draft.params,
                                                  e.draft_kvs[name], r.prompt_ids, r.seq)
+
+
+def check_request(spec: SpecConfig, params) -> None:
+    """Refuse sampling settings the method cannot serve, with what to do instead."""
+    if spec.method != "smc":
+        return
+    if params.greedy:
+        raise InvalidRequestError("SMC speculative decoding samples: set temperature "
+                                  "> 0, or use method exact for greedy decoding")
+    if params.filtered:  # q must cover every token p keeps
+        raise InvalidRequestError("SMC speculative decoding samples at a temperature "
+                                  "only: top_k, top_p and min_p would keep the draft "
+                                  "from proposing tokens the target allows; drop "
+                                  "them, or use method exact")
 
 
 def _summarize(r) -> None:

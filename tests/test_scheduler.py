@@ -1,0 +1,186 @@
+"""The always-on loop: many caller threads, requests joining a running batch,
+cancellation, a bounded queue and shutdown, on the embedded model."""
+import asyncio
+import gc
+import threading
+
+import pytest
+
+import xlr_jax
+from xlr_jax.errors import QueueFullError, XlrError
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+           "The three primary colors are"]
+SELF_DRAFT = {"method": "exact", "draft": "self:20", "gamma": 2}
+NGRAM = {"method": "exact", "draft": "ngram", "gamma": 4}
+SMC = {"method": "smc", "draft": "self:26", "gamma": 2, "particles": 2, "min_agreement": 0}
+
+
+def _request(i: int) -> dict:
+    """The i-th request of the mix: greedy, seeded sampling, exact SD (n-gram and
+    self-draft) and SMC with a fixed particle count."""
+    kinds = [dict(), dict(temperature=0.8, seed=i), dict(speculative=NGRAM),
+             dict(speculative=SELF_DRAFT), dict(temperature=0.8, seed=i, speculative=SMC)]
+    return dict(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=10, ignore_eos=True,
+                **kinds[i % len(kinds)])
+
+
+def _generate(model, request: dict):
+    args = dict(request)
+    return model.generate(args.pop("prompt"), **args)
+
+
+def _idle(model) -> dict:
+    stats = model.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["pages_held"] == 0, "a request kept pages after it ended"
+    return stats
+
+
+def test_threads_get_what_each_request_gets_alone(model):
+    """8 threads x 2 requests of every kind at once: each output equals its solo run."""
+    requests = [_request(i) for i in range(16)]
+    solo = [_generate(model, r).token_ids for r in requests]
+    got: dict[int, list[int]] = {}
+    errors = []
+
+    def caller(t: int):
+        try:
+            for i in (t, t + 8):
+                got[i] = _generate(model, requests[i]).token_ids
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, errors
+    assert [got[i] for i in range(16)] == solo
+    _idle(model)
+
+
+def test_a_newcomer_joins_a_running_stream(model):
+    """A request submitted while another streams finishes before the stream does."""
+    stream = model.submit("Write a long story about a dragon.", max_tokens=60, ignore_eos=True)
+    newcomer = None
+    seen_while_streaming = False
+    for n, _ in enumerate(stream.tokens()):
+        if n == 2:
+            newcomer = model.submit("Hello", max_tokens=4, ignore_eos=True)
+        # both are set by the loop thread: a witness that the newcomer ended first
+        seen_while_streaming |= newcomer is not None and newcomer.done and not stream.done
+    assert seen_while_streaming, "the newcomer waited for the running stream to end"
+    assert newcomer.result().token_ids == model.generate("Hello", max_tokens=4,
+                                                         ignore_eos=True).token_ids
+    assert stream.result().finish_reason == "length"
+
+
+def test_cancel_close_and_drop_give_pages_back(model):
+    handle = model.submit("Count to one hundred:", max_tokens=200, ignore_eos=True)
+    tokens = handle.tokens()
+    next(tokens), next(tokens)
+    handle.cancel()
+    result = handle.result(timeout=60)
+    assert result.finish_reason == "abort" and 2 <= len(result.token_ids) < 200
+
+    stream = model.stream("Count to one hundred:", max_tokens=200, ignore_eos=True)
+    next(stream)
+    stream.close()  # the request ends with the iterator
+
+    dropped = model.submit("Count to one hundred:", max_tokens=200, ignore_eos=True)
+    next(iter(dropped))
+    del dropped
+    gc.collect()
+    # a request still running would hold pages; the loop ends the two above at its next step
+    for _ in range(200):
+        if model.stats()["running"] == 0:
+            break
+    _idle(model)
+
+
+def test_generate_inside_a_stream(model):
+    replies = []
+    for piece in model.stream("The sky is", max_tokens=4, ignore_eos=True):
+        replies.append(model.generate("The sea is", max_tokens=3, ignore_eos=True).text)
+    assert len(replies) >= 1 and len(set(replies)) == 1
+
+
+def test_asyncio_adapters(model):
+    async def both():
+        result = await model.agenerate("The sky is", max_tokens=6, ignore_eos=True)
+        pieces = [p async for p in model.astream("The sky is", max_tokens=6, ignore_eos=True)]
+        return result, pieces
+
+    result, pieces = asyncio.run(both())
+    expected = model.generate("The sky is", max_tokens=6, ignore_eos=True)
+    assert result.token_ids == expected.token_ids
+    assert "".join(pieces) == expected.text
+
+
+def test_full_queue_and_shutdown(cache_dir):
+    """Past max_waiting, QueueFullError at once; shutdown ends everything with "abort"
+    and every page comes back."""
+    model = xlr_jax.load_model("smollm2", dtype="float32", cache_dir=cache_dir, max_waiting=2)
+    assert model.plan.max_waiting == 2
+    running = model.submit("Count to one hundred:", max_tokens=200, ignore_eos=True)
+    next(iter(running))  # running now, not waiting
+    # another kind waits until the running loop drains
+    queued = [model.submit("Hi", max_tokens=50, speculative=NGRAM) for _ in range(2)]
+    with pytest.raises(QueueFullError, match="max_waiting 2"):
+        model.submit("Hi", max_tokens=5)
+    model.shutdown()
+    assert running.result(timeout=60).finish_reason == "abort"
+    assert [q.result(timeout=60).finish_reason for q in queued] == ["abort", "abort"]
+    pool = model.engine.pool
+    assert int((pool.refcounts[1:] > 0).sum()) == 0
+    with pytest.raises(XlrError, match="shut down"):
+        model.generate("Hi", max_tokens=2)
+
+
+@pytest.fixture
+def debug_checks(monkeypatch):
+    """Check the page pool's invariants after every step of the engines loaded here."""
+    monkeypatch.setenv("XLR_DEBUG_CHECKS", "1")
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, seed=5)],
+                         ids=["greedy", "sampled"])
+def test_preempted_requests_give_the_same_tokens(tiny_models, tmp_path, debug_checks,
+                                                 sampling):
+    """A pool too small for 6 requests of 40 tokens at once: requests are admitted on
+    need, the newest preempted when a step runs short and resumed later, and every
+    output equals the one a pool with room for all gives. The pool's invariants hold
+    after every step (debug checks)."""
+    def load(num_pages):
+        return xlr_jax.load_model(str(tiny_models.target), dtype="float32", page_size=4,
+                                  num_pages=num_pages, cache_dir=tmp_path)
+
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [2, 3, 4], [5, 5, 5, 5, 5, 1], [7, 6, 5, 4, 3, 2, 1],
+               [3, 3, 1], [6, 2, 6, 2, 6]]
+    roomy, tight = load(200), load(16)
+    expected = roomy.generate(prompts, max_tokens=40, ignore_eos=True, **sampling)
+    got = tight.generate(prompts, max_tokens=40, ignore_eos=True, **sampling)
+    assert tight.engine.preemptions > 0, "the pool was meant to force preemptions"
+    assert max(r.metrics["preemptions"] for r in got) <= 2  # then a request is protected
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    assert [r.text for r in got] == [r.text for r in expected]
+    # a request larger than the whole pool runs until the pool is full, then ends
+    alone = tight.generate([1, 2, 3], max_tokens=200, ignore_eos=True, **sampling)
+    assert alone.finish_reason == "length" and 40 < len(alone.token_ids) < 200
+    assert alone.token_ids == roomy.generate([1, 2, 3], max_tokens=len(alone.token_ids),
+                                             ignore_eos=True, **sampling).token_ids
+    assert tight.stats()["pages_held"] == 0
+
+
+def test_stop_token_ids_end_a_request_like_eos(model):
+    free = model.generate("The capital of France is", max_tokens=12, ignore_eos=True)
+    stop_at = free.token_ids[4]
+    cut = free.token_ids.index(stop_at) + 1
+    r = model.generate("The capital of France is", max_tokens=12, ignore_eos=True,
+                       stop_token_ids=[stop_at])
+    assert r.finish_reason == "stop" and r.token_ids == free.token_ids[:cut]
+    assert r.text == model.tokenizer.decode(free.token_ids[:cut - 1])
+    with pytest.raises(xlr_jax.InvalidRequestError, match="outside the vocabulary"):
+        model.generate("Hi", stop_token_ids=[10 ** 9])
