@@ -159,14 +159,16 @@ WARM_RUN = textwrap.dedent("""
 """)
 
 
-def test_a_warm_process_parses_nothing_and_compiles_nothing(tiny, tmp_path):
-    def run():
-        out = subprocess.run([sys.executable, "-c", WARM_RUN, str(tiny), str(tmp_path)],
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+def _run_script(script: str, *args) -> dict:
+    """Run `script` in a fresh process; its last line of output, as JSON."""
+    out = subprocess.run([sys.executable, "-c", script, *map(str, args)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
-    cold, warm = run(), run()
+
+def test_a_warm_process_parses_nothing_and_compiles_nothing(tiny, tmp_path):
+    cold, warm = _run_script(WARM_RUN, tiny, tmp_path), _run_script(WARM_RUN, tiny, tmp_path)
     assert cold["gguf_imported"] and cold["compiles"] > 0
     assert not warm["gguf_imported"], "a warm load parsed the GGUF"
     assert warm["load"]["metadata_from_cache"] and warm["load"]["params_from_cache"]
@@ -222,16 +224,10 @@ AGENT_RUN = textwrap.dedent("""
 
 
 def test_a_restarted_agent_runs_the_steps_the_first_process_compiled(tiny, tmp_path):
-    def run():
-        out = subprocess.run([sys.executable, "-c", AGENT_RUN, str(tiny), str(tmp_path)],
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    first = run()
+    first = _run_script(AGENT_RUN, tiny, tmp_path)
     assert first["stable"] > 256 and first["stable"] % 256 and not first["cached"]
     steps = {p.name for p in (tmp_path / "executables").rglob("*.bin")}
-    again = run()
+    again = _run_script(AGENT_RUN, tiny, tmp_path)
     assert again["cached"] == again["stable"]  # the stable tier came from disk
     # prefill chunks stop at the tier's end, so what follows it is a chunk compiled before
     assert {p.name for p in (tmp_path / "executables").rglob("*.bin")} == steps

@@ -163,6 +163,8 @@ def test_preempted_requests_give_the_same_tokens(tiny_models, tmp_path, debug_ch
     expected = roomy.generate(prompts, max_tokens=40, ignore_eos=True, **sampling)
     got = tight.generate(prompts, max_tokens=40, ignore_eos=True, **sampling)
     assert tight.engine.preemptions > 0, "the pool was meant to force preemptions"
+    # a resumed request's prefix-cache count is its first admission's: the whole prompt
+    assert [r.metrics["prefilled_tokens"] for r in got] == [len(p) for p in prompts]
     assert max(r.metrics["preemptions"] for r in got) <= 2  # then a request is protected
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert [r.text for r in got] == [r.text for r in expected]

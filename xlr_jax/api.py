@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import threading
 import time
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlr_jax.engine import Engine, GenerationResult
+from xlr_jax.engine import Engine
 from xlr_jax.errors import InvalidRequestError
 from xlr_jax.executables import ExecutableStore, fingerprint
 from xlr_jax.hardware import HardwareProfile, probe
@@ -118,6 +119,11 @@ def _use_compilation_cache(cache_root: Path) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+# Model.submit's arguments that make a request's SamplingParams, in Model._sampling's order
+SAMPLING_ARGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                 "ignore_eos", "stop_token_ids")
+
+
 class Model:
     """A loaded model with its tokenizer and KV cache, served by an always-on loop.
 
@@ -164,11 +170,17 @@ class Model:
             yield piece
 
     def _asubmit(self, prompt_or_messages, kwargs) -> RequestHandle:
-        kwargs = dict(kwargs)
-        speculative, tools = kwargs.pop("speculative", None), kwargs.pop("tools", None)
-        params = self._sampling_from(kwargs)
-        return self._submit([self._encode_any(prompt_or_messages, tools)], params,
-                            speculative, aio_loop=asyncio.get_running_loop())[0]
+        """`submit` with the caller's event loop attached (its arguments, checked the same)."""
+        try:
+            bound = inspect.signature(Model.submit).bind(self, prompt_or_messages, **kwargs)
+        except TypeError as e:
+            raise InvalidRequestError(f"{e}; a request takes the arguments of Model.submit") \
+                from e
+        bound.apply_defaults()
+        a = bound.arguments
+        params = self._sampling(*(a[n] for n in SAMPLING_ARGS))
+        return self._submit([self._encode_any(prompt_or_messages, a["tools"])], params,
+                            a["speculative"], aio_loop=asyncio.get_running_loop())[0]
 
     def generate(self, prompt_or_prompts, max_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
@@ -195,8 +207,8 @@ class Model:
             raise InvalidRequestError("no prompts given; pass a string or a list of strings")
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
                                 ignore_eos, stop_token_ids)
-        results = self._results(self._submit([self._encode(p) for p in prompts], params,
-                                             speculative))
+        results = [h.result() for h in self._submit([self._encode(p) for p in prompts],
+                                                     params, speculative)]
         return results[0] if single else results
 
     def chat(self, messages, max_tokens: int = 256, temperature: float = 0.0,
@@ -209,7 +221,7 @@ class Model:
         encoded = [self._encode_chat(m, tools) for m in ([messages] if single else messages)]
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
                                 False, stop_token_ids)
-        results = self._results(self._submit(encoded, params, speculative))
+        results = [h.result() for h in self._submit(encoded, params, speculative)]
         return results[0] if single else results
 
     def stream(self, prompt, max_tokens: int = 256, temperature: float = 0.0,
@@ -261,19 +273,6 @@ class Model:
         return self._scheduler.call(lambda: self.engine.logits(ids))
 
     # ------------------------------------------------------------ helpers
-
-    @classmethod
-    def _sampling_from(cls, kwargs: dict) -> SamplingParams:
-        """SamplingParams from keyword arguments named as in `submit`."""
-        names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                 "ignore_eos", "stop_token_ids")
-        unknown = set(kwargs) - set(names)
-        if unknown:
-            raise InvalidRequestError(f"unknown argument(s) {sorted(unknown)}; a request "
-                                      f"takes {', '.join(names)}, tools and speculative")
-        defaults = dict(max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                        seed=0, stop=None, ignore_eos=False, stop_token_ids=None)
-        return cls._sampling(*({**defaults, **kwargs}[n] for n in names))
 
     @staticmethod
     def _sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos,
@@ -369,10 +368,6 @@ class Model:
                                         worst_case=spec is not None)
                     for ids, tiers in encoded]
         return self._scheduler.submit(requests, spec, draft, aio_loop)
-
-    @staticmethod
-    def _results(handles: list[RequestHandle]) -> list[GenerationResult]:
-        return [h.result() for h in handles]
 
     @property
     def prefix_cache(self):

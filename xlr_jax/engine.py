@@ -119,7 +119,7 @@ class _Request:
         """What the KV must hold before the next decode step: the prompt and every
         generated token but the last (not fed yet). A preempted request prefills these
         again when it resumes."""
-        return self.prompt_ids + self.generated[:-1]
+        return self.prompt_ids + self.generated[:-1] if self.generated else self.prompt_ids
 
 
     def chunk_end(self, chunk_max: int) -> int:
@@ -345,7 +345,8 @@ class Engine:
                         r.seq.release()
 
     def drop_ended(self, active: list["_Request"]) -> None:
-        """Remove requests ended from outside the loop (aborted), giving their pages back."""
+        """Remove ended requests from `active`, giving back the pages of any ended from
+        outside the loop (aborted; release is a no-op for the others)."""
         for r in active:
             if r.finish_reason is not None:
                 r.seq.release()
@@ -355,7 +356,9 @@ class Engine:
         inflight = None  # (rows, device tokens) of a decode step not read back yet
         while True:
             poll(waiting, active)
-            self.drop_ended(active)
+            self.drop_ended(active)  # finished in the last step, or aborted by poll
+            if self.debug_checks:
+                self.pool.check([r.seq for r in active])
             if not (waiting or active or inflight):
                 return
             joinable = bool(waiting) and len(active) < self.max_batch
@@ -374,9 +377,6 @@ class Engine:
                 yield from self._make_room(waiting, active)
                 if active:
                     inflight = (list(active), self._dispatch_decode(active))
-            active[:] = [r for r in active if r.finish_reason is None]
-            if self.debug_checks:
-                self.pool.check([r.seq for r in active])
 
     def _admit_and_prefill(self, waiting: deque, active: list[_Request],
                            max_requests: int | None = None, after_prefill=None,
@@ -496,7 +496,8 @@ class Engine:
             req.seq.pages, req.seq.length = cache.match(ids, len(ids) - 1)
         shared_tail = bool(req.seq.length % self.pool.page_size)  # copied on write
         if need - len(req.seq.pages) + shared_tail <= self.pool.num_available - owed:
-            req.cached_tokens = req.seq.length
+            if not req.generated:  # a resumed request keeps its first admission's count
+                req.cached_tokens = req.seq.length
             return True
         req.seq.release()
         if pinned_here:  # its pages (restored ones too) become evictable again

@@ -143,9 +143,9 @@ class RequestHandle:
 
 @dataclass
 class _Submission:
-    """A request waiting in the inbox: the engine's request, its kind and channel."""
+    """A request waiting in the inbox: the engine's request, how it decodes (its
+    SpecConfig, None for plain decoding: one engine loop serves one), its channel."""
     request: Any                     # engine._Request
-    kind: tuple                      # (SpecConfig or None, draft name or None)
     spec: Any
     draft: Any
     channel: _Channel
@@ -191,8 +191,7 @@ class Scheduler:
     def submit(self, requests: list, spec=None, draft=None,
                aio_loop: asyncio.AbstractEventLoop | None = None) -> list[RequestHandle]:
         """Queue engine requests (all or none: past max_waiting, QueueFullError)."""
-        kind = (spec, spec.draft if spec else None)
-        subs = [_Submission(r, kind, spec, draft, _Channel(aio_loop)) for r in requests]
+        subs = [_Submission(r, spec, draft, _Channel(aio_loop)) for r in requests]
         with self._inbox.cond:
             if self._inbox.closed:
                 raise XlrError("the model was shut down; load it again to generate")
@@ -244,47 +243,51 @@ class Scheduler:
         with self._inbox.cond:
             if not self._inbox.queue:
                 return
-            kind, spec, draft = (self._inbox.queue[0].kind, self._inbox.queue[0].spec,
-                                 self._inbox.queue[0].draft)
+            spec, draft = self._inbox.queue[0].spec, self._inbox.queue[0].draft
         waiting: deque = deque()
-        self._poll(waiting, [], kind)
+        self._poll(waiting, [], spec)
         try:
             for index, piece, result in self.engine.serve(
-                    waiting, spec, draft, lambda w, a: self._poll(w, a, kind)):
+                    waiting, spec, draft, lambda w, a: self._poll(w, a, spec)):
                 self._deliver(index, piece, result)
         except Exception as error:  # noqa: BLE001 - it goes to the requests it ended
             self._fail_running(waiting, error)
 
-    def _poll(self, waiting: deque | None, active: list, kind: tuple) -> None:
-        """Between steps: move newcomers of this loop's kind to its waiting queue, end
-        cancelled requests (all of them when closing), then run queued calls."""
+    def _poll(self, waiting: deque | None, active: list, spec) -> None:
+        """Between steps: move newcomers decoded like this loop (`spec`) to its waiting
+        queue, end cancelled requests (all of them when closing), then run queued calls.
+        With nothing of that to do it only takes the lock once (it runs every step)."""
         inbox = self._inbox
         with inbox.cond:
-            calls, inbox.calls = list(inbox.calls), deque()
+            calls, inbox.calls = inbox.calls, deque()
             cancelled, inbox.cancelled = inbox.cancelled, set()
             closed = inbox.closed
-            dropped = [s for s in inbox.queue if s.request.index in cancelled]
+            dropped = [s for s in inbox.queue if s.request.index in cancelled] if cancelled \
+                else []
             for sub in dropped:
                 inbox.queue.remove(sub)
-            if waiting is not None:
-                while inbox.queue and inbox.queue[0].kind == kind and not closed:
-                    sub = inbox.queue.popleft()
-                    self._live[sub.request.index] = sub
-                    waiting.append(sub.request)
-                    inbox.in_engine += 1
+            while (waiting is not None and not closed and inbox.queue
+                   and inbox.queue[0].spec == spec):
+                sub = inbox.queue.popleft()
+                self._live[sub.request.index] = sub
+                waiting.append(sub.request)
+                inbox.in_engine += 1
+            starting = inbox.in_engine > 0
         for sub in dropped:  # cancelled before they reached a loop
             sub.channel.finish(sub.request.abort())
-        for r in active:
-            self._started(r.index)
-        for r in [*(waiting or ()), *active]:
-            if (closed or r.index in cancelled) and r.finish_reason is None:
-                result = r.abort()
-                r.seq.release()  # now: a call queued after the cancel sees the pages back
-                self._deliver(r.index, "", result)
-        if waiting:
-            waiting_now = [r for r in waiting if r.finish_reason is None]
-            waiting.clear()
-            waiting.extend(waiting_now)
+        if starting:  # admitted since the last step: running now (SMC delivers at its end)
+            for r in active:
+                self._started(r.index)
+        if cancelled or closed:
+            for r in [*(waiting or ()), *active]:
+                if (closed or r.index in cancelled) and r.finish_reason is None:
+                    result = r.abort()
+                    r.seq.release()  # now: a call queued after the cancel sees it
+                    self._deliver(r.index, "", result)
+            if waiting:
+                waiting_now = [r for r in waiting if r.finish_reason is None]
+                waiting.clear()
+                waiting.extend(waiting_now)
         for fn, future in calls:
             _run_call(fn, future)
 
@@ -315,10 +318,7 @@ class Scheduler:
         retry = [self._live.pop(r.index) for r in list(waiting)[1:] if r.index in self._live]
         for sub in self._live.values():
             sub.channel.finish(error=error)
-        self._live.clear()
-        for sub in retry:
-            sub.request.seq.release()
-            sub.sent = 0
+        self._live.clear()  # the engine gave every page back
         with self._inbox.cond:
             self._inbox.queue.extendleft(reversed(retry))
             self._inbox.in_engine = 0
@@ -353,7 +353,7 @@ def _serve(inbox: _Inbox, scheduler_ref) -> None:
         if inbox.closed:
             scheduler._abort_queued()
             return
-        scheduler._poll(None, [], ())  # calls made while idle
+        scheduler._poll(None, [], None)  # calls and cancellations made while idle
         scheduler._run_next()
         del scheduler
 

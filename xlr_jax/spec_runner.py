@@ -65,7 +65,6 @@ class SpecRunner:
                                             after_prefill=self._draft_prefill)
             if active:
                 yield from (self._smc(active[0], poll) if smc else self._exact(active))
-            active[:] = [r for r in active if r.finish_reason is None]
 
     def prepare(self, r) -> None:
         """Check a request against the method (refusals raise) and start its metrics."""
