@@ -28,8 +28,8 @@ from xlr_jax.config import RopeScaling
 from xlr_jax.engine import Engine
 from xlr_jax.model import params_from_arrays
 from xlr_jax.paged_kv import SCRATCH_PAGE, PagedKV
-from xlr_jax.sampling import SamplingBatch, SamplingParams
-from xlr_jax.steps import Steps
+from xlr_jax.sampling import SamplingParams
+from xlr_jax.steps import Buckets, Steps
 from xlr_jax.weights import hf_config, load_weights
 
 # Relative error max|xlr - hf| / max|hf|. Both sides run in float32 and differ only in summation
@@ -244,7 +244,8 @@ class Paged:
         loaded = load_weights(path, cache_dir=None)
         self.config = loaded.config
         self.params = params_from_arrays(loaded.params).per_layer()
-        self.steps = Steps(self.config)
+        self.steps = Steps(self.config, Buckets(batch=(1, 2, 4), chunk=(16, 32, 64),
+                                                pages=(WIDTH,), attn_block=2))
         self.hf = hf
         self.ids = random_ids(11, SEQ_LEN)
 
@@ -341,22 +342,46 @@ def test_batched_rows_of_different_lengths(paged):
 
 
 def test_incremental_decode(paged, one_shot):
+    """A prompt's chunk, then one decode row per step, on the ragged step: the logits
+    are the one-shot prefill's at every position."""
     ref, _ = one_shot
-    table = paged.table(range(1, 8))[None]
-    greedy = SamplingBatch.build([SamplingParams()], [0], 1)
+    table = paged.table(range(1, 8))
     k = 40
-    tokens = paged.padded([paged.ids[:k]], 64)
-    next_token, logits, kv = paged.steps.prefill(
-        paged.params, paged.fresh_kv(seed=5), tokens, np.array([0], np.int32),
-        np.array([k], np.int32), table, greedy, True)
+    build = paged.steps.builder(0, k)
+    build.prefill(list(paged.ids[:k]), 0, table, SamplingParams(), 0)
+    next_token, logits, _, kv = paged.steps.step(paged.params, paged.fresh_kv(seed=5),
+                                              build.build())
     assert rel_err(np.asarray(logits)[0], ref[k - 1]) < TOL
     assert int(next_token[0]) == ref[k - 1].argmax()
     for pos in range(k, SEQ_LEN):  # crosses page boundaries (and slides the window)
-        next_token, logits, kv = paged.steps.decode(
-            paged.params, kv, np.array([paged.ids[pos]], np.int32), np.array([pos], np.int32),
-            table, greedy, True)
+        build = paged.steps.builder(1, 0)
+        build.decode(int(paged.ids[pos]), pos, table, SamplingParams(), 0)
+        next_token, logits, _, kv = paged.steps.step(paged.params, kv, build.build())
         assert rel_err(np.asarray(logits)[0], ref[pos]) < TOL, f"position {pos}"
         assert int(next_token[0]) == ref[pos].argmax(), f"position {pos}"
+
+
+def test_a_ragged_step_is_its_rows_alone(paged, one_shot):
+    """Decode rows and another sequence's chunk in one step: each row's logits are what
+    it gets alone (the one-shot's), whatever the padding rows and tokens hold."""
+    ref, kv = one_shot
+    table = paged.table(range(1, 8))
+    free = list(range(8, NUM_PAGES))
+    other = [free.pop() for _ in range(4)]
+    decode_at = [60, 99, 31]  # three sequences sharing the one-shot's pages, read-only
+    build = paged.steps.builder(len(decode_at), 30)
+    for pos in decode_at:
+        # the token at `pos` is already written: rewriting it leaves the pages as they are
+        build.decode(int(paged.ids[pos]), pos, table, SamplingParams(), 0)
+    build.prefill(list(paged.ids[:30]), 0, paged.table(other), SamplingParams(), 0)
+    batch = build.build()
+    assert (batch.decode_rows, batch.chunk) == (4, 32)  # a padding row, two padding tokens
+    kv = jax.tree.map(jax.numpy.copy, kv)  # the step donates it; the fixture keeps its own
+    _, logits, _, _ = paged.steps.step(paged.params, kv, batch)
+    logits = np.asarray(logits)
+    for j, pos in enumerate(decode_at):
+        assert rel_err(logits[j], ref[pos]) < TOL, f"decode row at {pos}"
+    assert rel_err(logits[4], ref[29]) < TOL, "the chunk's last token"
 
 
 def test_padding_past_the_window_stays_harmless(zoo):

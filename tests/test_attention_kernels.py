@@ -99,14 +99,22 @@ def check_both(q, k, v, tables, lengths, positions, *, window=None, dtype=jnp.fl
                           sequence_cache(v, tables), np.asarray(lengths), np.asarray(positions),
                           window)
     outs = {}
-    for impl in ("pallas", "xla"):
+    for impl in ("pallas", "xla", "xla-blocked"):
         out = paged_attention(q, (k, v), tables, lengths, positions, sliding_window=window,
-                              impl=impl)
+                              **_impl_args(impl, tables))
         assert out.shape == q.shape and out.dtype == q.dtype
         assert np.isfinite(np.asarray(out.astype(jnp.float32))).all(), impl
         assert rel_err(out.astype(jnp.float32), ref) < TOL[dtype], impl
         outs[impl] = np.asarray(out.astype(jnp.float32))
     assert rel_err(outs["pallas"], outs["xla"]) < TOL[dtype]
+
+
+def _impl_args(impl: str, tables) -> dict:
+    """paged_attention's arguments for `impl`; "xla-blocked" walks the block table
+    2 pages at a time (1 when its width is odd): the engine's ragged step path."""
+    if impl == "xla-blocked":
+        return dict(impl="xla", pages_per_block=2 if tables.shape[1] % 2 == 0 else 1)
+    return dict(impl=impl)
 
 
 def length_set(kind, page_size, table_width, q_len, batch, rng):
@@ -168,8 +176,8 @@ def test_padding_query_that_sees_nothing_is_zero():
         3, batch=2, q_len=4, heads=4, kv_heads=2, head_dim=64, page_size=16,
         lengths=[20, 37], table_width=3)
     positions = positions.at[1, 1].set(-1)  # sees no cache position
-    for impl in ("pallas", "xla"):
-        out = paged_attention(q, (k, v), tables, lengths, positions, impl=impl)
+    for impl in ("pallas", "xla", "xla-blocked"):
+        out = paged_attention(q, (k, v), tables, lengths, positions, **_impl_args(impl, tables))
         assert np.all(np.asarray(out[1, 1]) == 0), impl
         assert np.abs(np.asarray(out[1, 0])).max() > 0.1, impl
 
@@ -236,9 +244,9 @@ def test_quantized_pages(kv_dtype):
                             np.asarray(lengths), np.asarray(positions))
     original = dense_attention(q, sequence_cache(k, tables), sequence_cache(v, tables),
                                np.asarray(lengths), np.asarray(positions))
-    for impl in ("pallas", "xla"):
+    for impl in ("pallas", "xla", "xla-blocked"):
         out = paged_attention(q, (kq, vq), tables, lengths, positions, kv_scales=(ks, vs),
-                              impl=impl)
+                              **_impl_args(impl, tables))
         assert rel_err(out, exact) < TOL[jnp.float32], impl
         # quantization error is real but small (int8 ~1%, fp8 e4m3 ~5%)
         assert 1e-4 < rel_err(out, original) < 0.1, impl
@@ -250,9 +258,10 @@ def test_stacked_layers_read_in_place():
         9, batch=2, q_len=2, heads=4, kv_heads=2, head_dim=64, page_size=8,
         lengths=[30, 17], table_width=4)
     k_all, v_all = jnp.stack([v, k, k]), jnp.stack([k, v, k])
-    for impl in ("pallas", "xla"):
-        one = paged_attention(q, (k, v), tables, lengths, positions, impl=impl)
-        out = paged_attention(q, (k_all, v_all), tables, lengths, positions, layer=1, impl=impl)
+    for impl in ("pallas", "xla", "xla-blocked"):
+        args = _impl_args(impl, tables)
+        one = paged_attention(q, (k, v), tables, lengths, positions, **args)
+        out = paged_attention(q, (k_all, v_all), tables, lengths, positions, layer=1, **args)
         np.testing.assert_allclose(np.asarray(out), np.asarray(one), rtol=1e-6, atol=1e-6)
 
 

@@ -188,11 +188,12 @@ def test_damaged_compiled_step_is_compiled_again(tiny, tmp_path, caplog):
     ref = model.generate(prompt, max_tokens=5, ignore_eos=True).token_ids
     (steps,) = _steps_dirs(tmp_path)
     files = sorted(steps.glob("*.bin"))
-    assert [f.name for f in files] == ["decode-1-2-greedy.bin", "prefill-1x32-2-greedy.bin"]
+    # the prompt's chunk alone, then one decode row: (decode rows, chunk)
+    assert [f.name for f in files] == ["step-0-32.bin", "step-1-0.bin"]
     _garble(files[0])
     with caplog.at_level(logging.WARNING, logger="xlr_jax.executables"):
         again = xlr_jax.load_model(tiny, **kwargs)
-    assert again.load_info["steps_preloaded"] == 1  # the intact prefill
+    assert again.load_info["steps_preloaded"] == 1  # the intact decode step
     assert any("compiling it again" in r.getMessage() for r in caplog.records)
     assert again.generate(prompt, max_tokens=5, ignore_eos=True).token_ids == ref
     assert files[0].exists()  # compiled and stored again

@@ -23,7 +23,7 @@ from xlr_jax.hardware import (KNOWN_GPUS, HardwareProfile, gpu_memory, gpu_spec,
 from xlr_jax.mapper import ExecutionPlan, particle_pages, particles_for
 from xlr_jax.registry import resolve_model
 from xlr_jax.roofline import PRESETS, estimate, weight_bytes_read
-from xlr_jax.sampling import SAMPLERS, SamplingBatch, SamplingParams
+from xlr_jax.sampling import SamplingParams
 from xlr_jax.weights import read_config
 
 GB = 10 ** 9
@@ -209,8 +209,7 @@ def test_compiler_options_reach_xla_and_keep_the_tokens():
 
     bad = engine({"xla_cpu_prefer_vector_width": "wide"})
     with pytest.raises(Exception, match="xla_cpu_prefer_vector_width"):
-        bad.steps.decode(bad.params, bad.kv, jnp.zeros(1, jnp.int32), np.zeros(1, np.int32),
-                         np.zeros((1, 2), np.int32), SamplingBatch.build([], [], 1), "greedy")
+        bad.steps.step(bad.params, bad.kv, bad.steps.builder(1, 0).build())
     prompts = [[5, 9, 2, 77, 31], [100, 3, 3, 8]]
     sampling = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
     runs = [[d.token_ids for _, _, d in engine(o).run(prompts, sampling) if d is not None]
@@ -351,18 +350,17 @@ def test_compilations_never_exceed_the_buckets(warm):
     p = plan(PROFILES["cpu24"], TINY, Workload(max_batch=2, prefill_chunk=32), page_size=16)
     engine = Engine.from_plan(TINY, random_params(TINY, jnp.float32, 0), None, p)
     b = p.buckets
-    samplers = len(SAMPLERS)  # greedy, softmax, filtered
-    prefill_buckets = len(b.batch) * len(b.chunk) * len(b.pages) * samplers
-    decode_buckets = len(b.batch) * len(b.pages) * samplers
+    # (decode rows, chunk): 0 or a bucket each, not both 0; the sampler is not a shape
+    shapes = (len(b.batch) + 1) * (len(b.chunk) + 1) - 1
+    assert len(engine.steps.keys()) == shapes
     if warm:
-        report = engine.steps.warmup(engine.params, engine.kv, b, progress=False)
-        assert len(report) == prefill_buckets + decode_buckets
+        report = engine.steps.warmup(engine.params, engine.kv, progress=False)
+        assert len(report) == shapes
         assert all(r["compile_s"] > 0 for r in report)
     fifty_requests(engine, seed=int(warm))
-    counts = engine.steps.compilations()
-    assert counts["prefill"] <= prefill_buckets and counts["decode"] <= decode_buckets
-    if warm:  # everything ran on the warmed executables: the jit caches stayed empty
-        assert engine.steps._prefill._cache_size() == engine.steps._decode._cache_size() == 0
+    assert engine.steps.compilations()["step"] <= shapes
+    if warm:  # everything ran on the warmed executables: the jit cache stayed empty
+        assert engine.steps._step._cache_size() == 0
 
 
 def test_plan_dataclass_is_frozen(smollm2):

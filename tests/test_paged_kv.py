@@ -122,9 +122,7 @@ def test_each_step_compiles_once_per_bucket(model):
             prompts = [" ".join(rng.choice(words, int(rng.integers(1, 60)))) for _ in range(batch)]
             model.generate(prompts, max_tokens=int(rng.integers(1, 4)))
 
-    b = engine.buckets
-    combos = len(b.batch) * len(b.chunk) * len(b.pages) * 2  # x2: greedy-only or sampling
+    shapes = len(engine.steps.keys())
     for _ in range(2):  # the second time prompts hit the prefix cache: shorter prefills
         workload()
-        counts = engine.steps.compilations()
-        assert counts["prefill"] <= combos and counts["decode"] <= len(b.batch) * len(b.pages) * 2
+        assert engine.steps.compilations()["step"] <= shapes

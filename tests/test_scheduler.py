@@ -3,7 +3,9 @@ cancellation, a bounded queue and shutdown, on the embedded model."""
 import asyncio
 import gc
 import threading
+import time
 
+import numpy as np
 import pytest
 
 import xlr_jax
@@ -38,26 +40,26 @@ def _idle(model) -> dict:
 
 
 def test_threads_get_what_each_request_gets_alone(model):
-    """8 threads x 2 requests of every kind at once: each output equals its solo run."""
-    requests = [_request(i) for i in range(16)]
+    """16 threads x 4 requests of every kind at once: each output equals its solo run."""
+    requests = [_request(i) for i in range(64)]
     solo = [_generate(model, r).token_ids for r in requests]
     got: dict[int, list[int]] = {}
     errors = []
 
     def caller(t: int):
         try:
-            for i in (t, t + 8):
+            for i in range(t, 64, 16):
                 got[i] = _generate(model, requests[i]).token_ids
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=caller, args=(t,)) for t in range(8)]
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(16)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=600)
+        t.join(timeout=900)
     assert not errors, errors
-    assert [got[i] for i in range(16)] == solo
+    assert [got[i] for i in range(64)] == solo
     _idle(model)
 
 
@@ -75,6 +77,38 @@ def test_a_newcomer_joins_a_running_stream(model):
     assert newcomer.result().token_ids == model.generate("Hello", max_tokens=4,
                                                          ignore_eos=True).token_ids
     assert stream.result().finish_reason == "length"
+
+
+def _stream_with_a_long_newcomer(model, word: str) -> tuple[list[float], float, float]:
+    """Stream 48 tokens; after the 5th, submit a 2,000-token prompt (made of `word`s).
+    Returns the stream's token times, when the newcomer was submitted and when its first
+    token came."""
+    text = " ".join(f"{word}{i} is a word" for i in range(500))
+    long_prompt = model.engine.tokenizer.encode(text)[:2000]
+    stream = model.submit("Write a long story about a dragon.", max_tokens=48, ignore_eos=True)
+    times, long = [], None
+    for n, _ in enumerate(stream.tokens()):
+        times.append(time.perf_counter())
+        if n == 4:
+            long = model.submit(long_prompt, max_tokens=2, ignore_eos=True)
+            submitted = time.perf_counter()
+    return times, submitted, submitted + long.result().metrics["ttft_s"]
+
+
+def test_a_long_prompt_does_not_stall_a_running_stream(model):
+    """A 2,000-token prompt arriving mid-stream is prefilled chunk by chunk beside the
+    stream's decode steps: the stream's largest gap between tokens stays one step with
+    one chunk in it, far below the whole prefill (which it would wait for otherwise)."""
+    _stream_with_a_long_newcomer(model, "v")  # compiles the steps' shapes (another prompt)
+    times, submitted, first_token = _stream_with_a_long_newcomer(model, "w")
+    chunks = -(-2000 // model.engine.buckets.chunk[-1])
+    during = [t for t in times if submitted < t <= first_token]
+    gaps = np.diff([t for t in times if t > submitted])
+    # every chunk's step carried a token of the stream
+    assert len(during) >= chunks - 1, (len(during), chunks)
+    # one chunk's step, measured: the prefill's time shared by its chunks (x2 for jitter)
+    prefill = first_token - submitted
+    assert gaps.max() < 2 * prefill / chunks, (gaps.max(), prefill)
 
 
 def test_cancel_close_and_drop_give_pages_back(model):
@@ -186,3 +220,104 @@ def test_stop_token_ids_end_a_request_like_eos(model):
     assert r.text == model.tokenizer.decode(free.token_ids[:cut - 1])
     with pytest.raises(xlr_jax.InvalidRequestError, match="outside the vocabulary"):
         model.generate("Hi", stop_token_ids=[10 ** 9])
+
+
+def test_logprobs_are_the_models_log_softmax(model):
+    """logprobs=k: each token's log-probability and the k most likely, equal to the log
+    softmax of the prompt's logits at that position; asked for by one request of a
+    batch, the others get none and the same tokens."""
+    prompt = "The capital of France is"
+    plain = model.generate(prompt, max_tokens=6, temperature=0.9, seed=4, ignore_eos=True)
+    h = model.submit(prompt, max_tokens=6, temperature=0.9, seed=4, ignore_eos=True,
+                     logprobs=3)
+    other = model.submit("Once upon a time", max_tokens=6, ignore_eos=True)
+    r = h.result()
+    assert r.token_ids == plain.token_ids and plain.logprobs is None
+    assert other.result().logprobs is None
+    ids = model.tokenizer.encode(prompt)
+    logits = model.logits(ids + r.token_ids[:-1])[len(ids) - 1:]
+    log_p = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    assert [e["token_id"] for e in r.logprobs] == r.token_ids
+    for row, token, entry in zip(log_p, r.token_ids, r.logprobs):
+        # the prompt's logits come from one prefill, the tokens' from decode steps: f32
+        # sums in another order (~2e-3 here)
+        assert abs(entry["logprob"] - row[token]) < 1e-2
+        top = np.argsort(-row)[:3]
+        assert [t["token_id"] for t in entry["top_logprobs"]] == list(top)
+        assert np.allclose([t["logprob"] for t in entry["top_logprobs"]], row[top], atol=1e-2)
+    with pytest.raises(XlrError, match="logprobs must be in"):
+        model.generate(prompt, logprobs=21)
+    with pytest.raises(XlrError, match="not reported under speculative"):
+        model.generate(prompt, logprobs=1, speculative=NGRAM)
+
+
+def test_stats_is_one_snapshot_of_the_engine(model):
+    """Requests, pages, steps and their time, speculative totals and the prefix cache's
+    per-tier counts, moving as requests run."""
+    before = model.stats()
+    model.generate(PROMPTS[0], max_tokens=4, ignore_eos=True)
+    model.generate(PROMPTS[1], max_tokens=6, ignore_eos=True, speculative=NGRAM)
+    after = _idle(model)
+    assert after["steps"] >= before["steps"] + 4 and after["step_time_s"] > 0
+    spec = after["speculative"]
+    assert spec["target_passes"] > before["speculative"]["target_passes"]
+    assert spec["draft_tokens"] >= spec["accepted_tokens"] >= 0
+    assert after["prefix_cache"]["requests"] == before["prefix_cache"]["requests"] + 2
+    assert after["prefix_cache"]["volatile_tokens"] > before["prefix_cache"]["volatile_tokens"]
+    assert after["preemptions"] == before["preemptions"]
+    assert after["pages_free"] + after["pages_cached"] + after["pages_pinned"] <= \
+        after["pages_total"]
+
+
+def test_forced_tokens_join_the_output_at_a_step_boundary(model):
+    """force() appends tokens as if generated; generation goes on from them, as a request
+    whose prompt ended with them would."""
+    prompt = "The three primary colors are"
+    ids = model.tokenizer.encode(prompt)
+    plain = model.generate(prompt, max_tokens=24, ignore_eos=True).token_ids
+    forced = model.tokenizer.encode(" Answer:", add_special_tokens=False)
+    h = model.submit(prompt, max_tokens=24, ignore_eos=True)
+    stream = h.tokens()
+    next(stream)
+    h.force(forced)
+    list(stream)
+    out = h.result().token_ids
+    k = next(i for i in range(len(out)) if out[i:i + len(forced)] == forced)
+    assert k >= 1 and out[:k] == plain[:k], "tokens before the forced ones changed"
+    after = model.generate(ids + out[:k + len(forced)], max_tokens=24 - k - len(forced),
+                           ignore_eos=True).token_ids
+    assert out[k + len(forced):] == after and len(out) == 24
+    with pytest.raises(XlrError, match="not running"):
+        h.force(forced)  # it ended
+
+
+def test_a_logits_processor_masks_its_request_only(model):
+    """A per-step bias from the request's processor: an allow-list mask keeps every token
+    in the list (the processor sees the tokens so far); a batch neighbour without one is
+    untouched; a processor that raises ends its own request only."""
+    allowed = model.tokenizer.encode(" yes no maybe", add_special_tokens=False)
+    seen = []
+
+    def only_allowed(generated):
+        seen.append(list(generated))
+        bias = np.full(model.config.vocab_size, -np.inf, np.float32)
+        bias[allowed] = 0.0
+        return bias
+
+    def broken(generated):
+        raise RuntimeError("grammar state lost")
+
+    neighbour = model.generate(PROMPTS[0], max_tokens=8, ignore_eos=True).token_ids
+    masked = model.submit("Is the sky blue?", max_tokens=8, temperature=1.0, seed=2,
+                          ignore_eos=True, logits_processor=only_allowed)
+    failing = model.submit(PROMPTS[1], max_tokens=8, ignore_eos=True, logits_processor=broken)
+    other = model.submit(PROMPTS[0], max_tokens=8, ignore_eos=True)
+    out = masked.result().token_ids
+    assert len(out) == 8 and set(out) <= set(allowed)
+    assert seen[-1] == out[:-1]  # called with the tokens so far, before each draw
+    r = failing.result()
+    assert r.finish_reason == "abort" and "grammar state lost" in r.metrics["error"]
+    assert other.result().token_ids == neighbour
+    with pytest.raises(XlrError, match="does not speculate"):
+        model.generate(PROMPTS[0], logits_processor=only_allowed, speculative=NGRAM)
+    _idle(model)

@@ -104,10 +104,11 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
 
 def _steps_fingerprint(config, execution: ExecutionPlan, params) -> str:
     """What the compiled steps depend on beyond their shapes: the model, the plan's
-    dtypes, KV pool and compile options, and the params' layout."""
+    dtypes, KV pool, block tables, attention and compile options, and the params' layout."""
     e = execution
     return fingerprint([config.to_json(), e.compute_dtype, e.kv_dtype, e.page_size,
-                        e.num_pages, e.attn_impl, sorted(e.compiler_options.items())], params)
+                        e.num_pages, e.buckets.table_width, e.attn_block_pages, e.attn_impl,
+                        sorted(e.compiler_options.items())], params)
 
 
 def _use_compilation_cache(cache_root: Path) -> None:
@@ -121,7 +122,7 @@ def _use_compilation_cache(cache_root: Path) -> None:
 
 # Model.submit's arguments that make a request's SamplingParams, in Model._sampling's order
 SAMPLING_ARGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                 "ignore_eos", "stop_token_ids")
+                 "ignore_eos", "stop_token_ids", "logprobs", "logits_processor")
 
 
 class Model:
@@ -149,14 +150,20 @@ class Model:
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
                stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
                tools: list | None = None, stop_token_ids: Sequence[int] | None = None,
-               speculative: dict | SpecConfig | None = None) -> RequestHandle:
+               speculative: dict | SpecConfig | None = None,
+               logprobs: int | None = None, logits_processor=None) -> RequestHandle:
         """Queue one request and return at once: a prompt (string, token ids or a tiered
         dict, as for `generate`) or chat messages (a list of {"role", "content"}).
         Iterate the handle for text pieces, `.tokens()` for token ids; `.result()` waits
         for the GenerationResult; `.cancel()` stops it. Past the plan's max_waiting
-        queued requests, QueueFullError."""
+        queued requests, QueueFullError. `logprobs=k` (0-20): the result's `logprobs`
+        give each token's log-probability and the k most likely tokens'.
+        `logits_processor(generated_ids) -> bias [vocab] or None`: added to the logits
+        before each sampled token (-inf masks a token: constrained output); it runs on
+        the loop thread, so keep it quick; if it raises, the request alone ends
+        ("abort", metrics["error"])."""
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-                                ignore_eos, stop_token_ids)
+                                ignore_eos, stop_token_ids, logprobs, logits_processor)
         return self._submit([self._encode_any(prompt_or_messages, tools)], params,
                             speculative)[0]
 
@@ -186,7 +193,8 @@ class Model:
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
                  stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
                  speculative: dict | SpecConfig | None = None,
-                 stop_token_ids: Sequence[int] | None = None):
+                 stop_token_ids: Sequence[int] | None = None, logprobs: int | None = None,
+                 logits_processor=None):
         """Complete one prompt or a list of them (results in order).
 
         A prompt is a string, token ids, or a tiered dict {"stable": ..., "context": ...,
@@ -206,7 +214,7 @@ class Model:
         if not prompts:
             raise InvalidRequestError("no prompts given; pass a string or a list of strings")
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-                                ignore_eos, stop_token_ids)
+                                ignore_eos, stop_token_ids, logprobs, logits_processor)
         results = [h.result() for h in self._submit([self._encode(p) for p in prompts],
                                                      params, speculative)]
         return results[0] if single else results
@@ -215,12 +223,12 @@ class Model:
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
              stop: str | Sequence[str] | None = None, tools: list | None = None,
              speculative: dict | SpecConfig | None = None,
-             stop_token_ids: Sequence[int] | None = None):
+             stop_token_ids: Sequence[int] | None = None, logprobs: int | None = None):
         """Reply to a conversation ([{"role", "content"}, ...]) or a list of conversations."""
         single = bool(messages) and isinstance(messages[0], dict)
         encoded = [self._encode_chat(m, tools) for m in ([messages] if single else messages)]
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-                                False, stop_token_ids)
+                                False, stop_token_ids, logprobs)
         results = [h.result() for h in self._submit(encoded, params, speculative)]
         return results[0] if single else results
 
@@ -242,16 +250,11 @@ class Model:
             result.append(handle.result())
 
     def stats(self) -> dict:
-        """One snapshot, taken between steps: requests running and waiting, and the KV
-        pages (usable, free, held by requests, cached at refcount 0, pinned by tiers)."""
-        def snapshot() -> dict:
-            pool, cache = self.engine.pool, self.engine.prefix_cache
-            held = int((pool.refcounts[1:] > 0).sum())
-            return {**self._scheduler.counts(), "pages_total": pool.num_pages - 1,
-                    "pages_free": pool.num_free, "pages_held": held,
-                    "pages_cached": pool.num_pages - 1 - pool.num_free - held,
-                    "pages_pinned": cache.pinned_pages if cache else 0}
-        return self._scheduler.call(snapshot)
+        """One snapshot, taken between steps: requests running and waiting, and the
+        engine's counters (see Engine.stats: KV pages, preemptions, steps and their
+        time, speculative totals, prefix-cache queries and hits per tier)."""
+        return self._scheduler.call(lambda: {**self._scheduler.counts(),
+                                             **self.engine.stats()})
 
     def shutdown(self) -> None:
         """Stop the model's loop: requests in flight end with finish_reason "abort" and
@@ -276,14 +279,16 @@ class Model:
 
     @staticmethod
     def _sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos,
-                  stop_token_ids=None):
+                  stop_token_ids=None, logprobs=None, logits_processor=None):
         try:
             stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
             return SamplingParams(temperature=float(temperature), top_k=int(top_k),
                                   top_p=float(top_p), min_p=float(min_p), seed=int(seed),
                                   max_tokens=int(max_tokens), stop=stops,
                                   ignore_eos=bool(ignore_eos),
-                                  stop_token_ids=tuple(int(t) for t in stop_token_ids or ()))
+                                  stop_token_ids=tuple(int(t) for t in stop_token_ids or ()),
+                                  logprobs=None if logprobs is None else int(logprobs),
+                                  logits_processor=logits_processor)
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"invalid sampling value: {e}") from e
 
@@ -377,7 +382,7 @@ class Model:
     def warmup(self, progress: bool = True) -> list[dict]:
         """Compile every bucket of the plan now (see Steps.warmup); returns compile times."""
         e = self.engine
-        return self._scheduler.call(lambda: e.steps.warmup(e.params, e.kv, e.buckets, progress))
+        return self._scheduler.call(lambda: e.steps.warmup(e.params, e.kv, progress))
 
     def info(self) -> dict:
         c, e = self.config, self.engine

@@ -51,6 +51,9 @@ class GenerationResult:
     # SMC-SD: every final particle, {"token_ids", "log_weight" (normalized)}; with
     # metrics["log_normalizer"] they give unbiased weighted estimates (see smc.py)
     particles: list[dict] | None = None
+    # with logprobs=k: per generated token {"token_id", "logprob", "top_logprobs": the k
+    # most likely [{"token_id", "logprob"}]}, under the model's raw distribution
+    logprobs: list[dict] | None = None
 
 
 class _StopText:
@@ -104,6 +107,11 @@ class _Request:
         # pages this request may ever hold: prompt plus every token it may generate
         self.max_pages = -(-(len(prompt_ids) + self.limit) // pool.page_size)
         self.generated: list[int] = []
+        self.forced: list[int] = []  # tokens to append at the next step boundary
+        self.step_bias: np.ndarray | None = None  # its logits processor's, for the next step
+        self.error: str | None = None  # why it was ended early, when it was its own fault
+        # per generated token, when asked: {"token_id", "logprob", "top_logprobs"}
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.preemptions = 0
         self.protected = False  # preempted too often: admitted for its worst case, kept
@@ -121,6 +129,11 @@ class _Request:
         again when it resumes."""
         return self.prompt_ids + self.generated[:-1] if self.generated else self.prompt_ids
 
+
+    @property
+    def decoding(self) -> bool:
+        """Prefilled and holding a token to feed: the request takes decode rows now."""
+        return bool(self.generated) and self.prefilled == len(self.context_ids)
 
     def chunk_end(self, chunk_max: int) -> int:
         """Where the next prefill chunk ends: after `chunk_max` tokens, or at the stable
@@ -140,9 +153,16 @@ class _Request:
         twin.spec_metrics = dict(self.spec_metrics)
         return twin
 
-    def accept(self, token: int, now: float) -> str:
-        """Record a sampled token; return the text it makes visible."""
+    def accept(self, token: int, now: float, logprobs=None) -> str:
+        """Record a sampled token (with its step's (chosen, top ids, top values) when the
+        request asked for log-probabilities); return the text it makes visible."""
         self.generated.append(token)
+        if self.logprobs is not None and logprobs is not None:
+            chosen, ids, values = logprobs
+            k = self.params.logprobs
+            self.logprobs.append({"token_id": token, "logprob": float(chosen),
+                                  "top_logprobs": [{"token_id": int(i), "logprob": float(v)}
+                                                   for i, v in zip(ids[:k], values[:k])]})
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
         piece, hit = "", False
@@ -189,9 +209,30 @@ class _Request:
             "prefilled_tokens": len(self.prompt_ids) - self.cached_tokens,
             **self.cache_metrics,
             **self.spec_metrics,
+            **({"error": self.error} if self.error else {}),
         }
         return GenerationResult(self.stop_text.text, list(self.generated),
-                                self.finish_reason, metrics, self.particles)
+                                self.finish_reason, metrics, self.particles,
+                                None if self.logprobs is None else list(self.logprobs))
+
+
+@dataclass
+class _Step:
+    """A dispatched step: its decode rows, its chunk's request and the device tokens."""
+    rows: list[_Request]
+    chunk: _Request | None
+    chunk_row: int  # the chunk's row in the tokens: after every (padded) decode row
+    tokens: object
+    logprobs: tuple  # chosen [rows], top ids and values [rows, k], on the device
+    started: float   # when it was dispatched
+
+    def logprob_rows(self) -> list | None:
+        """Each row's (chosen, top ids, top values) on the host, if any row asked."""
+        asked = [r for r in self.rows + [self.chunk] if r is not None]
+        if not any(r.params.logprobs is not None for r in asked):
+            return None
+        chosen, ids, values = (np.asarray(x) for x in self.logprobs)
+        return list(zip(chosen, ids, values))
 
 
 class Engine:
@@ -204,7 +245,7 @@ class Engine:
                  cache_namespace: str = "", tier_store: TierStore | None = None,
                  particle_cap: int = 4, compiler_options: dict | None = None,
                  max_preemptions: int = MAX_PREEMPTIONS,
-                 max_pinned_share: float = MAX_PINNED_SHARE):
+                 max_pinned_share: float = MAX_PINNED_SHARE, max_step_tokens: int = 0):
         self.config, self.params, self.tokenizer = config, params.per_layer(), tokenizer
         self.max_context = max_context
         self.max_batch = max_batch
@@ -218,19 +259,26 @@ class Engine:
         self.kv = PagedKV.create(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
                                  head_dim=config.head_dim, num_pages=num_pages,
                                  page_size=page_size, dtype=kv_dtype)
-        self.steps = Steps(config, attn_impl, compiler_options)
-        self.spec_steps = SpecSteps(config, attn_impl, compiler_options)
-        self.particle_cap = particle_cap  # SMC particles at most (the plan's policy)
-        self.draft_kvs: dict[str, PagedKV] = {}  # separate draft models' KV, by name
-        self.draft_steps: dict[str, Steps] = {}
         # shapes every step is compiled for (the plan's; CPU-style defaults otherwise)
         self.buckets = buckets or Buckets(
             batch=powers_of_two_upto(max_batch),
             chunk=powers_of_two_upto(prefill_chunk, start=16),
             pages=page_width_buckets(-(-max_context // page_size), dense=True))
+        # tokens one step may carry: every decode row and one prefill chunk
+        self.max_step_tokens = max_step_tokens or max_batch + prefill_chunk
+        self.steps = Steps(config, self.buckets, attn_impl, compiler_options)
+        self.spec_steps = SpecSteps(config, attn_impl, compiler_options)
+        self.particle_cap = particle_cap  # SMC particles at most (the plan's policy)
+        self.draft_kvs: dict[str, PagedKV] = {}  # separate draft models' KV, by name
+        self.draft_steps: dict[str, Steps] = {}
         self._lock = threading.RLock()  # one driver at a time; logits may run inside serve
         self._admissions = itertools.count(1)
         self.preemptions = 0
+        self.steps_run = 0
+        self._step_times: deque = deque(maxlen=256)  # seconds of the last plain steps
+        self._last_accept = 0.0
+        # speculative totals over every request: draft_tokens, accepted_tokens, target_passes
+        self.speculation = dict.fromkeys(("draft_tokens", "accepted_tokens", "target_passes"), 0)
         # check the page pool's invariants after every step (slow; tests turn it on)
         self.debug_checks = os.environ.get("XLR_DEBUG_CHECKS") == "1"
 
@@ -248,7 +296,8 @@ class Engine:
                    particle_cap=plan.speculative.particle_cap,
                    compiler_options=plan.compiler_options,
                    max_preemptions=plan.max_preemptions,
-                   max_pinned_share=plan.max_pinned_share)
+                   max_pinned_share=plan.max_pinned_share,
+                   max_step_tokens=plan.max_step_tokens)
 
     def use_step_store(self, store: ExecutableStore) -> int:
         """Keep compiled steps in `store` across processes; take (and run once, on the
@@ -344,6 +393,29 @@ class Engine:
                     if r.seq.pages:
                         r.seq.release()
 
+    def count_speculation(self, draft_tokens: int, accepted_tokens: int) -> None:
+        """Add one speculative target pass of a row to the engine's totals."""
+        totals = self.speculation
+        totals["target_passes"] += 1
+        totals["draft_tokens"] += draft_tokens
+        totals["accepted_tokens"] += accepted_tokens
+
+    def stats(self) -> dict:
+        """Counters for metrics (call between steps): KV pages (usable, free, held by
+        requests, cached at refcount 0, pinned by stable tiers), preemptions, plain steps
+        run and their mean time over the last 256, speculative totals, and the prefix
+        cache's queries and hits per tier (`prefix_cache.*`)."""
+        pool, cache = self.pool, self.prefix_cache
+        held = int((pool.refcounts[1:] > 0).sum())
+        times = self._step_times
+        return {"pages_total": pool.num_pages - 1, "pages_free": pool.num_free,
+                "pages_held": held, "pages_cached": pool.num_pages - 1 - pool.num_free - held,
+                "pages_pinned": cache.pinned_pages if cache else 0,
+                "preemptions": self.preemptions, "steps": self.steps_run,
+                "step_time_s": sum(times) / len(times) if times else None,
+                "speculative": dict(self.speculation),
+                "prefix_cache": cache.stats() if cache else None}
+
     def drop_ended(self, active: list["_Request"]) -> None:
         """Remove ended requests from `active`, giving back the pages of any ended from
         outside the loop (aborted; release is a no-op for the others)."""
@@ -353,7 +425,9 @@ class Engine:
         active[:] = [r for r in active if r.finish_reason is None]
 
     def _decode_loop(self, waiting: deque, active: list[_Request], poll):
-        inflight = None  # (rows, device tokens) of a decode step not read back yet
+        """Plain decoding: every step carries one token of each running request and a
+        chunk of the oldest one still prefilling; requests join and leave between steps."""
+        inflight: _Step | None = None  # dispatched, its tokens not read back yet
         while True:
             poll(waiting, active)
             self.drop_ended(active)  # finished in the last step, or aborted by poll
@@ -362,30 +436,35 @@ class Engine:
             if not (waiting or active or inflight):
                 return
             joinable = bool(waiting) and len(active) < self.max_batch
-            if (inflight and inflight[0] == active and not joinable
-                    and self._can_run_ahead(active) and self._room_for_a_step(active)):
-                # dispatch the next step on the device tokens before reading them
-                # back: host work and dispatch overlap the step in flight
-                ahead = (list(active), self._dispatch_decode(active, inflight[1]))
-                yield from self._settle(*inflight)
+            if (inflight and inflight.chunk is None and inflight.rows == active
+                    and not joinable and self._can_run_ahead(active)
+                    and not any(r.forced or r.params.logits_processor for r in active)
+                    and self._room_for_a_step(active)):
+                # decode only: dispatch the next step on the device tokens before reading
+                # them back, so host work and dispatch overlap the step in flight
+                ahead = self._dispatch(list(active), feed=inflight.tokens)
+                yield from self._finish_done(*self._accept(inflight))
                 inflight = ahead
             else:
                 if inflight:
-                    yield from self._settle(*inflight)
+                    yield from self._finish_done(*self._accept(inflight))
                     inflight = None
-                yield from self._admit_and_prefill(waiting, active, on_need=True)
+                yield from self._append_forced(active)
+                active += self._admit(waiting, active, self.max_batch, on_need=True)
                 yield from self._make_room(waiting, active)
-                if active:
-                    inflight = (list(active), self._dispatch_decode(active))
+                yield from self._process_logits(active)
+                running = [r for r in active if r.finish_reason is None]
+                if running:
+                    decoding = [r for r in running if r.decoding]
+                    chunk = next((r for r in running if not r.decoding), None)
+                    inflight = self._dispatch(decoding, chunk)
 
     def _admit_and_prefill(self, waiting: deque, active: list[_Request],
-                           max_requests: int | None = None, after_prefill=None,
-                           on_need: bool = False):
-        """Drop finished requests from `active`, admit what fits, prefill it, and add the
-        ones still going to `active`. `after_prefill(admitted)` runs before any finished
-        request gives its pages back. `on_need`: see `_admit`."""
-        active[:] = [r for r in active if r.finish_reason is None]
-        admitted = self._admit(waiting, active, max_requests or self.max_batch, on_need)
+                           max_requests: int | None = None, after_prefill=None):
+        """Admit what fits for its worst case (the speculative loops), prefill it, and add
+        the ones still going to `active`. `after_prefill(admitted)` runs before any
+        finished request gives its pages back."""
+        admitted = self._admit(waiting, active, max_requests or self.max_batch)
         if admitted:
             pieces = self._prefill(admitted)
             if after_prefill:
@@ -442,8 +521,53 @@ class Engine:
         return max(0, min(req.max_pages, self.pool.num_pages - 1) - len(req.seq.pages))
 
     def _room_for_a_step(self, active: list[_Request]) -> bool:
-        return sum(r.seq.pages_to_reserve(r.seq.length + 1)
+        """Whether every running request finds its next step's pages: a decode token's,
+        or (forced tokens) what its context has grown to."""
+        return sum(r.seq.pages_to_reserve(max(r.seq.length + 1, len(r.context_ids)))
                    for r in active) <= self.pool.num_available
+
+    def force(self, req: _Request, token_ids: list[int]) -> None:
+        """Queue tokens to append to a plain request's output at the next step boundary,
+        as if it had generated them (e.g. to close a thought); generation goes on after
+        them. Their KV is written by prefill, like a resumed request's."""
+        bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
+        if bad or not token_ids:
+            raise InvalidRequestError(
+                f"forced token id {bad[0]} is outside the vocabulary [0, "
+                f"{self.config.vocab_size})" if bad else "no token ids to force")
+        req.forced += token_ids
+
+    def _process_logits(self, active: list[_Request]):
+        """Ask each running request's logits processor for its next step's bias; a
+        processor that fails, or returns no [vocab] array, ends its request alone
+        ("abort", with metrics["error"] saying why)."""
+        vocab = self.config.vocab_size
+        for r in active:
+            r.step_bias = None
+            if r.params.logits_processor is None or r.finish_reason is not None:
+                continue
+            try:
+                bias = r.params.logits_processor(list(r.generated))
+                if bias is not None:
+                    bias = np.asarray(bias, np.float32)
+                    if bias.shape != (vocab,):
+                        raise ValueError(f"it returned shape {bias.shape}, not ({vocab},)")
+                r.step_bias = bias
+            except Exception as e:  # noqa: BLE001 - the caller's code fails its request only
+                r.error = f"logits_processor failed: {e}"
+                yield from self._finish_done([r], [r.end("abort")])
+
+    def _append_forced(self, active: list[_Request]):
+        """Accept each running request's forced tokens (stop rules apply to them)."""
+        now = time.perf_counter()
+        for r in active:
+            if r.forced and r.finish_reason is None:
+                tokens, r.forced, piece = r.forced, [], ""
+                for t in tokens:
+                    piece += r.accept(t, now)
+                    if r.finish_reason is not None:
+                        break
+                yield from self._finish_done([r], [piece])
 
     def _make_room(self, waiting: deque, active: list[_Request]):
         """Before a decode step, find every running request the page its next token
@@ -543,7 +667,8 @@ class Engine:
                 len(req.prompt_ids) >= -(-req.stable_end // ps) * ps) else None
             cache.publish(req.prompt_ids, req.seq.pages, partial_at=boundary)
             return
-        written = req.prompt_ids + req.generated[:-1]  # the last token was never fed
+        # the last token was never fed; a request ended mid-prefill wrote less
+        written = (req.prompt_ids + req.generated[:-1])[:req.seq.length]
         cache.publish(written, req.seq.pages)
         if self.pool.num_free < self.pool.num_pages // 4:  # tight: keep volatile pages out
             cache.forget(req.seq.pages[max(req.context_end, req.stable_end) // ps + 1:])
@@ -569,38 +694,14 @@ class Engine:
         return tables
 
     def _prefill(self, reqs: list[_Request]) -> list[str]:
-        """Prefill admitted prompts together, chunk by chunk; sample each one's first token."""
-        chunk_max = self.buckets.chunk[-1]
+        """Prefill admitted prompts, chunk by chunk, each in steps of its own; sample each
+        one's first token. Returns the text each made visible."""
         pieces = [""] * len(reqs)
-        while True:
-            todo = [(i, r) for i, r in enumerate(reqs) if r.prefilled < len(r.context_ids)]
-            if not todo:
-                return pieces
-            rows = pick_bucket(len(todo), self.buckets.batch)
-            parts = [r.context_ids[r.prefilled:r.chunk_end(chunk_max)] for _, r in todo]
-            width = pick_bucket(max(len(p) for p in parts), self.buckets.chunk)
-            tokens = np.zeros((rows, width), np.int32)
-            start = np.zeros(rows, np.int32)
-            num_new = np.zeros(rows, np.int32)
-            for j, ((_, r), part) in enumerate(zip(todo, parts)):
-                tokens[j, :len(part)] = part
-                start[j], num_new[j] = r.prefilled, len(part)
-            reqs_now = [r for _, r in todo]
-            sampling, sampler = self._sampling(reqs_now, rows, [0] * len(reqs_now))
-            next_tokens, _, self.kv = self.steps.prefill(
-                self.params, self.kv, tokens, start, num_new,
-                self._block_tables(reqs_now, rows), sampling, sampler)
-            next_tokens = np.asarray(next_tokens)
-            now = time.perf_counter()
-            for j, (i, r) in enumerate(todo):
-                r.seq.length += int(num_new[j])
-                if r.generated:  # resumed after a preemption: its next token is known
-                    continue
-                if r.prefilled == len(r.prompt_ids):
-                    self._publish(r, finished=False)
-                    self._persist_tier(r)
-                    self._count(r)
-                    pieces[i] = r.accept(int(next_tokens[j]), now)
+        for i, r in enumerate(reqs):
+            while not r.decoding and r.finish_reason is None:
+                _, text = self._accept(self._dispatch([], r))
+                pieces[i] += "".join(text)  # the last chunk's first token, if any
+        return pieces
 
     def _count(self, req: _Request) -> None:
         bounds = (req.stable_end, max(req.context_end, req.stable_end), len(req.prompt_ids))
@@ -608,36 +709,66 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.record(req.cache_metrics)
 
-    def _dispatch_decode(self, reqs: list[_Request], feed=None):
-        """Launch one decode step for every sequence; returns its device tokens unread.
+    def _dispatch(self, decoding: list[_Request], chunk: _Request | None = None,
+                  feed=None) -> "_Step":
+        """Launch one step: a token for each request of `decoding` and the next chunk of
+        `chunk`'s prompt; returns it with its device tokens unread.
 
-        `feed` is the previous step's device tokens (same rows) or None to feed
-        each sequence's last accepted token from the host.
+        `feed` is the previous step's device tokens (same decode rows, no chunk) or None
+        to feed each request's last accepted token from the host.
         """
-        rows = pick_bucket(len(reqs), self.buckets.batch)
-        tokens = np.zeros(rows, np.int32)
-        positions = np.zeros(rows, np.int32)
-        for j, r in enumerate(reqs):
+        part = []
+        if chunk is not None:
+            room = min(self.buckets.chunk[-1], self.max_step_tokens - len(decoding))
+            part = chunk.context_ids[chunk.prefilled:chunk.chunk_end(room)]
+        build = self.steps.builder(len(decoding), len(part))
+        width = self.steps.buckets.table_width
+        for r in decoding:
             self._apply_copies(r.seq.reserve(r.seq.length + 1))
-            positions[j] = r.seq.length
-            tokens[j] = r.generated[-1]  # unused when `feed` carries the device tokens
+            # the token drawn after position p is the (p + 1 - prompt)-th of its sequence
+            if r.step_bias is not None:
+                build.bias(build.decoded, r.step_bias)
+            build.decode(r.generated[-1], r.seq.length, r.seq.block_table(width), r.params,
+                         r.seq.length + 1 - len(r.prompt_ids))
             r.seq.length += 1
-        # the token drawn after position p is the (p + 1 - prompt)-th of its sequence
-        steps = [int(positions[j]) + 1 - len(r.prompt_ids) for j, r in enumerate(reqs)]
-        sampling, sampler = self._sampling(reqs, rows, steps)
-        # always a device array: a numpy/device mix would double the dispatch cache
-        next_tokens, _, self.kv = self.steps.decode(
-            self.params, self.kv, jnp.asarray(tokens) if feed is None else feed, positions,
-            self._block_tables(reqs, rows), sampling, sampler)
-        return next_tokens
+        if chunk is not None:  # pages reserved at admission; forced tokens grow them here
+            self._apply_copies(chunk.seq.reserve(len(chunk.context_ids)))
+            build.prefill(part, chunk.prefilled, chunk.seq.block_table(width), chunk.params, 0)
+            if chunk.step_bias is not None:
+                build.bias(build.batch.decode_rows, chunk.step_bias)
+            chunk.seq.length += len(part)
+        started = time.perf_counter()
+        tokens, _, logprobs, self.kv = self.steps.step(self.params, self.kv, build.build(feed))
+        return _Step(decoding, chunk, build.batch.decode_rows, tokens, logprobs, started)
 
-    def _settle(self, rows: list[_Request], device_tokens):
-        """Read a step's tokens back and accept them (rows finished meanwhile are skipped)."""
-        sampled = np.asarray(device_tokens)
+    def _accept(self, step: "_Step") -> tuple[list[_Request], list[str]]:
+        """Read a step's tokens back and accept them: a token for each decode row that
+        is still running, and the first token of a request whose prompt the chunk
+        completed. Returns those requests and the text each made visible."""
+        sampled = np.asarray(step.tokens)
+        logprobs = step.logprob_rows() or itertools.repeat(None)
         now = time.perf_counter()
-        live = [(j, r) for j, r in enumerate(rows) if r.finish_reason is None]
-        pieces = [r.accept(int(sampled[j]), now) for j, r in live]
-        yield from self._finish_done([r for _, r in live], pieces)
+        # the step ran from its dispatch, or from the end of the one ahead of it
+        self._step_times.append(now - max(step.started, self._last_accept))
+        self._last_accept = now
+        self.steps_run += 1
+        reqs, pieces = [], []
+        for j, (r, lp) in enumerate(zip(step.rows, logprobs)):
+            if r.finish_reason is None:
+                reqs.append(r)
+                pieces.append(r.accept(int(sampled[j]), now, lp))
+        r = step.chunk
+        # a resumed request (preempted) knows its next token already
+        if (r is not None and r.finish_reason is None and not r.generated
+                and r.prefilled == len(r.prompt_ids)):
+            self._publish(r, finished=False)
+            self._persist_tier(r)
+            self._count(r)
+            reqs.append(r)
+            lp = step.logprob_rows()
+            pieces.append(r.accept(int(sampled[step.chunk_row]), now,
+                                   lp[step.chunk_row] if lp else None))
+        return reqs, pieces
 
     def logits(self, ids: list[int]) -> np.ndarray:
         """Logits [len(ids), vocab] of a prompt, prefilled in chunks on a scratch sequence."""

@@ -6,7 +6,7 @@ find its cache key. This store keys executables by what shapes the program inste
 and loads them with no tracing at all (`jax.experimental.serialize_executable`).
 
 Layout: cache_dir/executables/<fingerprint>/<step>.bin, one file per step shape
-(e.g. `decode-1-2-greedy.bin`: 1 row, a 2-page block table, greedy sampling). The
+(e.g. `step-1-32.bin`: one decode row and a 32-token prefill chunk). The
 fingerprint hashes the jax and jaxlib versions, the devices and the CPU's instruction
 set, this package's source code, the caller's options (model config, dtypes, KV pool,
 compile options) and the params' layout: any change gives a new directory, never a
@@ -94,7 +94,7 @@ def compile_fresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
 
 
 def _file_name(key: tuple) -> str:
-    """("decode", (1,), 2, "greedy") -> "decode-1-2-greedy.bin"."""
+    """("step", 1, 32) -> "step-1-32.bin"; a tuple part joins with x."""
     return "-".join("x".join(map(str, p)) if isinstance(p, tuple) else str(p)
                     for p in key) + ".bin"
 

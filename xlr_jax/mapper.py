@@ -33,6 +33,7 @@ ATTN_IMPLS = ("auto", "pallas", "xla")
 WAITING_PER_SLOT = 32      # default max_waiting per max_batch slot
 MAX_PREEMPTIONS = 2        # a request preempted this often is protected: it runs to the end
 MAX_PINNED_SHARE = 0.5     # stable tiers pinning more of the pool unpin LRU-first
+ATTN_BLOCK_PAGES = 4       # XLA attention reads a row's pages this many at a time
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,14 @@ class ExecutionPlan:
     max_context: int
     max_batch: int
     prefill_chunk: int
+    max_step_tokens: int           # tokens one ragged step carries: decode rows + a chunk
     max_waiting: int
     max_preemptions: int           # then a request runs to its end, never preempted
     max_pinned_share: float        # of the pool that registered stable tiers may pin
     batch_buckets: tuple[int, ...]
     chunk_buckets: tuple[int, ...]
     page_buckets: tuple[int, ...]
+    attn_block_pages: int          # pages the XLA attention reads at a time
     attn_impl: str
     speculative: SpeculativePolicy
     memory: MemoryBudget
@@ -91,7 +94,8 @@ class ExecutionPlan:
 
     @property
     def buckets(self) -> Buckets:
-        return Buckets(self.batch_buckets, self.chunk_buckets, self.page_buckets)
+        return Buckets(self.batch_buckets, self.chunk_buckets, self.page_buckets,
+                       self.attn_block_pages)
 
     def particles_for(self, free_pages: int, context_len: int, gamma: int | None = None) -> int:
         return particles_for(free_pages, context_len,
@@ -115,6 +119,8 @@ class ExecutionPlan:
         raw.setdefault("max_waiting", WAITING_PER_SLOT * raw["max_batch"])  # older plans
         raw.setdefault("max_preemptions", MAX_PREEMPTIONS)
         raw.setdefault("max_pinned_share", MAX_PINNED_SHARE)
+        raw.setdefault("max_step_tokens", raw["max_batch"] + raw["prefill_chunk"])
+        raw.setdefault("attn_block_pages", ATTN_BLOCK_PAGES)
         return cls(**raw)
 
 
@@ -275,9 +281,17 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
     batch_buckets = powers_of_two_upto(batch)
     chunk_buckets = powers_of_two_upto(chunk, start=16)
     page_buckets = page_width_buckets(per_context, dense=not gpu)
-    why["buckets"] = ("batch and chunk: powers of two; block-table widths: "
+    why["buckets"] = ("a step is (decode rows, chunk): decode rows 0 or a power of two up "
+                      "to max_batch, chunk 0 or a power of two from 16 to prefill_chunk, "
+                      f"{(len(batch_buckets) + 1) * (len(chunk_buckets) + 1) - 1} executables "
+                      "in all; its attention walks only the pages each row sees, "
+                      f"{ATTN_BLOCK_PAGES} at a time, so the block-table width is not a shape "
+                      "to compile for. Speculative cycles and scoring keep block-table widths: "
                       + ("every 2 pages to 32, then ~1.25x (XLA reads the whole width)"
                          if not gpu else "powers of two (the kernel skips unseen pages)"))
+    step_tokens = batch + chunk
+    why["max_step_tokens"] = ("every decode row and one full prefill chunk: a long prompt "
+                              "adds at most one chunk to the running streams' step")
     spec = SpeculativePolicy(
         draft=workload.draft, gamma=4, particle_cap=8 if gpu else 4,
         rule="N = 1 + (free pages - 10% headroom) // pages per extra particle "
@@ -298,10 +312,10 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
     return ExecutionPlan(
         backend=hardware.backend, device_name=hardware.device_name, compute_dtype=compute,
         kv_dtype=kv, page_size=ps, num_pages=pages, max_context=context, max_batch=batch,
-        prefill_chunk=chunk, max_waiting=waiting, max_preemptions=MAX_PREEMPTIONS,
+        prefill_chunk=chunk, max_step_tokens=step_tokens, max_waiting=waiting, max_preemptions=MAX_PREEMPTIONS,
         max_pinned_share=MAX_PINNED_SHARE, batch_buckets=batch_buckets,
         chunk_buckets=chunk_buckets,
-        page_buckets=page_buckets, attn_impl=impl, speculative=spec, memory=memory,
+        page_buckets=page_buckets, attn_block_pages=ATTN_BLOCK_PAGES, attn_impl=impl, speculative=spec, memory=memory,
         compiler_options=xla, reasons=why)
 
 

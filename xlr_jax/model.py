@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlr_jax.config import ModelConfig, RopeScaling
-from xlr_jax.ops import paged_attention
+from xlr_jax.ops import paged_attention, resolve_impl
 from xlr_jax.paged_kv import SCRATCH_PAGE, PagedKV, write_layer
 from xlr_jax.pytree import pytree_dataclass
+from xlr_jax.step_batch import StepBatch
 
 
 @pytree_dataclass
@@ -98,13 +99,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarr
 
 
 def rope_tables(positions, inv_freq):
-    """cos and sin [B, T, 1, hd/2] for `positions` [B, T]; shared by every layer."""
+    """cos and sin [..., 1, hd/2] for `positions` [...]; shared by every layer."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq
-    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    return jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
 
 
 def apply_rope(x, cos, sin):
-    """Rotate halves (HF convention): x [B, T, heads, hd]."""
+    """Rotate halves (HF convention): x [..., heads, hd]."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -117,7 +118,7 @@ def rms_norm(x, weight, eps):
 
 
 def _linear(x, w):
-    return jnp.einsum("btd,od->bto", x, w)
+    return jnp.einsum("...d,od->...o", x, w)
 
 
 def _layers(layers):
@@ -125,6 +126,44 @@ def _layers(layers):
         return layers
     # stacked inside jit: correct, but each slice is a copy (see Params.per_layer)
     return [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(layers.attn_norm.shape[0])]
+
+
+def decoder(params: Params, kv: PagedKV, tokens, positions, page_ids, offsets, attend, *,
+            config: ModelConfig):
+    """The decoder over flat tokens [N] at `positions` [N]: each token's K/V goes to
+    slot `offsets` of page `page_ids` (the scratch page for padding), and
+    `attend(q [N, H, D], (k, v), scales, layer)` reads the pages (whatever layout the
+    caller's batch has). Returns the final hidden states [N, d] (after the final norm)
+    and the new KV."""
+    c = config
+    cos, sin = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+    x = params.embed[tokens]
+    k_all, v_all, k_scale, v_scale = kv.k, kv.v, kv.k_scale, kv.v_scale
+    for i, lp in enumerate(_layers(params.layers)):
+        h = rms_norm(x, lp.attn_norm, c.rms_norm_eps)
+        qkv = _linear(h, lp.wqkv)
+        if lp.bqkv is not None:
+            qkv = qkv + lp.bqkv
+        q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
+        q = apply_rope(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        k_all, k_scale = write_layer(k_all, k_scale, i, page_ids, offsets, k)
+        v_all, v_scale = write_layer(v_all, v_scale, i, page_ids, offsets, v)
+        attn = attend(q, (k_all, v_all), None if k_scale is None else (k_scale, v_scale), i)
+        x = x + _linear(attn.reshape(-1, c.q_size), lp.wo)
+        h = rms_norm(x, lp.mlp_norm, c.rms_norm_eps)
+        gate, up = jnp.split(_linear(h, lp.w_gate_up), 2, axis=-1)
+        x = x + _linear(jax.nn.silu(gate) * up, lp.w_down)
+    x = rms_norm(x, params.final_norm, c.rms_norm_eps)
+    return x, PagedKV(k_all, v_all, k_scale, v_scale)
+
+
+def page_slots(block_tables, positions, valid, page_size):
+    """Each token's (page id, offset) for positions [B, T] of the sequences
+    `block_tables` [B, W] hold; invalid tokens go to the scratch page."""
+    page_ids = jnp.take_along_axis(block_tables, positions // page_size, axis=1)
+    return jnp.where(valid, page_ids, SCRATCH_PAGE), positions % page_size
 
 
 def forward(params: Params, kv: PagedKV, tokens, positions, valid, block_tables,
@@ -136,36 +175,69 @@ def forward(params: Params, kv: PagedKV, tokens, positions, valid, block_tables,
     """
     c = config
     batch, q_len = tokens.shape
-    cos, sin = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
     lengths = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)
     lengths = jnp.maximum(lengths, 1)  # padded rows see one (scratch) slot, not NaN
-    page_size = kv.page_size
-    page_ids = jnp.take_along_axis(block_tables, positions // page_size, axis=1)
-    page_ids = jnp.where(valid, page_ids, SCRATCH_PAGE).reshape(-1)
-    offsets = (positions % page_size).reshape(-1)
+    page_ids, offsets = page_slots(block_tables, positions, valid, kv.page_size)
 
-    x = params.embed[tokens]
-    k_all, v_all, k_scale, v_scale = kv.k, kv.v, kv.k_scale, kv.v_scale
-    for i, lp in enumerate(_layers(params.layers)):
-        h = rms_norm(x, lp.attn_norm, c.rms_norm_eps)
-        qkv = _linear(h, lp.wqkv)
-        if lp.bqkv is not None:
-            qkv = qkv + lp.bqkv
-        q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
-        q = apply_rope(q.reshape(batch, q_len, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.reshape(batch, q_len, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.reshape(batch * q_len, c.num_kv_heads, c.head_dim)
-        k_all, k_scale = write_layer(k_all, k_scale, i, page_ids, offsets, k.reshape(v.shape))
-        v_all, v_scale = write_layer(v_all, v_scale, i, page_ids, offsets, v)
-        attn = paged_attention(q, (k_all, v_all), block_tables, lengths, positions, layer=i,
-                               kv_scales=None if k_scale is None else (k_scale, v_scale),
-                               sliding_window=c.sliding_window, impl=attn_impl)
-        x = x + _linear(attn.reshape(batch, q_len, c.q_size), lp.wo)
-        h = rms_norm(x, lp.mlp_norm, c.rms_norm_eps)
-        gate, up = jnp.split(_linear(h, lp.w_gate_up), 2, axis=-1)
-        x = x + _linear(jax.nn.silu(gate) * up, lp.w_down)
-    x = rms_norm(x, params.final_norm, c.rms_norm_eps)
-    return x, PagedKV(k_all, v_all, k_scale, v_scale)
+    def attend(q, kv_pages, kv_scales, layer):
+        out = paged_attention(q.reshape(batch, q_len, *q.shape[1:]), kv_pages, block_tables,
+                              lengths, positions, layer=layer, kv_scales=kv_scales,
+                              sliding_window=c.sliding_window, impl=attn_impl)
+        return out.reshape(q.shape)
+
+    hidden, kv = decoder(params, kv, tokens.reshape(-1), positions.reshape(-1),
+                         page_ids.reshape(-1), offsets.reshape(-1), attend, config=c)
+    return hidden.reshape(batch, q_len, -1), kv
+
+
+def forward_step(params: Params, kv: PagedKV, batch: StepBatch, *, config: ModelConfig,
+                 attn_impl: str, pages_per_block: int):
+    """Run one ragged step (see step_batch): its decode rows' tokens and its chunk,
+    flat through every matmul; attention per part, reading only the pages each part
+    sees. Returns the hidden state each row samples from [rows, d] and the new KV."""
+    c = config
+    dec, chunk = batch.decode_rows, batch.chunk
+    offs = jnp.arange(chunk, dtype=jnp.int32)
+    chunk_valid = offs < batch.chunk_len
+    chunk_pos = batch.chunk_start + offs
+    positions = jnp.concatenate([batch.decode_positions, chunk_pos])
+    valid = jnp.concatenate([jnp.ones(dec, bool), chunk_valid])
+    tables = batch.block_tables
+    # each token's row: decode token j is row j, every chunk token the last row
+    rows = jnp.concatenate([jnp.arange(dec, dtype=jnp.int32), jnp.full(chunk, dec, jnp.int32)])
+    page_ids, offsets = page_slots(tables[rows], positions[:, None], valid[:, None],
+                                   kv.page_size)
+    dec_lengths = batch.decode_positions + 1
+    # padding chunk tokens see nothing (and do not widen the pages walked)
+    chunk_q = jnp.where(chunk_valid, chunk_pos, -1)
+    impl = resolve_impl(attn_impl)
+
+    def attend(q, kv_pages, kv_scales, layer):
+        common = dict(layer=layer, kv_scales=kv_scales, sliding_window=c.sliding_window)
+        if impl == "pallas":  # one ragged call: a row per decode token, then the chunk
+            lengths = jnp.concatenate([dec_lengths, (batch.chunk_start + batch.chunk_len)[None]])
+            cu = jnp.concatenate([jnp.arange(dec + 1, dtype=jnp.int32),
+                                  jnp.array([dec + chunk], jnp.int32)])[:tables.shape[0] + 1]
+            return paged_attention(q, kv_pages, tables, lengths[:tables.shape[0]],
+                                   jnp.concatenate([batch.decode_positions, chunk_q]),
+                                   cu_q_lens=cu, max_q_len=max(chunk, 1), impl=impl, **common)
+        blocked = dict(impl=impl, pages_per_block=pages_per_block, **common)
+        parts = []
+        if dec:
+            parts.append(paged_attention(q[:dec, None], kv_pages, tables[:dec], dec_lengths,
+                                         batch.decode_positions[:, None], **blocked)[:, 0])
+        if chunk:
+            parts.append(paged_attention(q[None, dec:], kv_pages, tables[dec:],
+                                         (batch.chunk_start + batch.chunk_len)[None],
+                                         chunk_q[None], **blocked)[0])
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    tokens = jnp.concatenate([batch.decode_tokens, batch.chunk_tokens])
+    hidden, kv = decoder(params, kv, tokens, positions, page_ids[:, 0], offsets[:, 0], attend,
+                         config=c)
+    last = jnp.concatenate([jnp.arange(dec, dtype=jnp.int32),
+                            (dec + jnp.maximum(batch.chunk_len - 1, 0))[None]])
+    return hidden[last[:tables.shape[0]]], kv
 
 
 def lm_head(params: Params, hidden):

@@ -6,6 +6,7 @@ the token being drawn, so a sequence draws the same tokens alone or in any batch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,8 @@ import numpy as np
 
 from xlr_jax.errors import InvalidRequestError
 from xlr_jax.pytree import pytree_dataclass
+
+MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's cap)
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,12 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # end like EOS
+    logprobs: int | None = None  # per token: its log-probability and this many top ones
+    # called before each step that samples for the request with the token ids generated
+    # so far; returns a bias [vocab] added to the logits (-inf masks a token), or None.
+    # A pure function of those ids (it may be called again with the same ones)
+    logits_processor: Callable[[list[int]], np.ndarray | None] | None = field(
+        default=None, compare=False)
 
     def __post_init__(self):
         checks = [
@@ -37,6 +46,11 @@ class SamplingParams:
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1] (got {self.min_p}); use 0 to turn it off"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1 (got {self.max_tokens})"),
             (0 <= self.seed < 2 ** 32, f"seed must be in [0, 2**32) (got {self.seed})"),
+            (self.logits_processor is None or callable(self.logits_processor),
+             "logits_processor must be a callable (token ids -> bias array) or None"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be in [0, {MAX_LOGPROBS}] (got {self.logprobs}); None turns "
+             "them off"),
         ]
         for ok, message in checks:
             if not ok:
@@ -66,6 +80,7 @@ class SamplingBatch:
     min_p: jax.Array        # [B] f32
     seed: jax.Array         # [B] u32
     step: jax.Array         # [B] i32, index of the token being drawn
+    logprobs: jax.Array     # [B] bool: report log-probabilities for this row
 
     @classmethod
     def build(cls, params: list[SamplingParams], steps, batch: int) -> "SamplingBatch":
@@ -78,7 +93,8 @@ class SamplingBatch:
             top_p=np.array([p.top_p for p in params], np.float32),
             min_p=np.array([p.min_p for p in params], np.float32),
             seed=np.array([p.seed for p in params], np.uint32),
-            step=np.array(steps, np.int32))
+            step=np.array(steps, np.int32),
+            logprobs=np.array([p.logprobs is not None for p in params], bool))
 
 
 def _kept_sorted(logits, temperature, top_k, top_p, min_p):
@@ -155,3 +171,42 @@ def sample(logits, batch: SamplingBatch, *, sampler: str):
         drawn = jax.vmap(_sample_row)(logits, batch.temperature, batch.top_k, batch.top_p,
                                       batch.min_p, batch.seed, batch.step)
     return jnp.where(batch.temperature > 0, drawn.astype(jnp.int32), greedy)
+
+
+def sample_rows(logits, batch: SamplingBatch):
+    """Next token per row of `logits` [B, V], each row paying only for what it asks:
+    greedy rows an argmax, temperature rows a draw, top-k/top-p/min-p rows the sort
+    (rows run one by one, each through its own branch). Draws what `sample` draws."""
+    kind = jnp.where(batch.temperature == 0, 0,
+                     jnp.where((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0), 2, 1))
+    branches = (lambda *a: jnp.argmax(a[0]).astype(jnp.int32),
+                lambda l, t, k, p, m, s, n: _draw_row(l, t, s, n).astype(jnp.int32),
+                lambda *a: _sample_row(*a).astype(jnp.int32))
+
+    def row(args):
+        which, *values = args
+        return jax.lax.switch(which, branches, *values)
+
+    return jax.lax.map(row, (kind, logits, batch.temperature, batch.top_k, batch.top_p,
+                             batch.min_p, batch.seed, batch.step))
+
+
+def row_logprobs(logits, chosen, batch: SamplingBatch):
+    """For rows that ask (`batch.logprobs`): the chosen token's log-probability under
+    the model's distribution (the raw logits, before temperature or filters) and the
+    MAX_LOGPROBS (at most the vocabulary) most likely tokens' ids and log-probabilities;
+    zeros for other rows,
+    which pay nothing for it."""
+    k = min(MAX_LOGPROBS, logits.shape[-1])  # a tiny test vocabulary has fewer
+    zeros = (jnp.float32(0), jnp.zeros(k, jnp.int32), jnp.zeros(k, jnp.float32))
+
+    def compute(row, token):
+        log_p = jax.nn.log_softmax(row)
+        values, ids = jax.lax.top_k(log_p, k)
+        return log_p[token], ids.astype(jnp.int32), values
+
+    def row(args):
+        want, values, token = args
+        return jax.lax.cond(want, compute, lambda *_: zeros, values, token)
+
+    return jax.lax.map(row, (batch.logprobs, logits, chosen))

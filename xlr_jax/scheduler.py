@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from xlr_jax.errors import QueueFullError, XlrError
+from xlr_jax.errors import InvalidRequestError, QueueFullError, XlrError
 
 _DONE = object()  # the last event of a request's stream
 
@@ -89,6 +89,12 @@ class RequestHandle:
     def cancel(self) -> None:
         """Stop the request (a no-op once it ended); its result says "abort"."""
         self._scheduler.cancel(self.id)
+
+    def force(self, token_ids) -> None:
+        """Append these tokens to the output at the next step boundary, as if generated
+        (to close a thought, say); generation goes on after them. Returns once they
+        are appended; a request that ended (or speculates) raises."""
+        self._scheduler.force(self.id, [int(t) for t in token_ids])
 
     def __iter__(self) -> Iterator[str]:
         for piece, _ in self._events():
@@ -209,6 +215,19 @@ class Scheduler:
         with self._inbox.cond:
             self._inbox.cancelled.add(request_id)
             self._inbox.cond.notify()
+
+    def force(self, request_id: int, token_ids: list[int]) -> None:
+        """Queue forced tokens for a running plain request (see RequestHandle.force)."""
+        def append():
+            sub = self._live.get(request_id)
+            if sub is None or sub.request.finish_reason is not None:
+                raise InvalidRequestError(f"request {request_id} is not running (it ended, "
+                                          "or has not started); nothing to force")
+            if sub.spec is not None:
+                raise InvalidRequestError("forced tokens are not supported under "
+                                          "speculative decoding")
+            self.engine.force(sub.request, token_ids)
+        self.call(append)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` on the loop thread between steps; return its value (or raise)."""

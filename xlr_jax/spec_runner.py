@@ -48,7 +48,7 @@ class SpecRunner:
                 num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                 num_pages=engine.pool.num_pages, page_size=engine.pool.page_size,
                 dtype=kv.k.dtype)
-            engine.draft_steps[draft.name] = Steps(c, engine.steps.attn_impl,
+            engine.draft_steps[draft.name] = Steps(c, engine.buckets, engine.steps.attn_impl,
                                                   engine.steps.compiler_options)
 
     def loop(self, waiting, active, poll):
@@ -120,6 +120,7 @@ class SpecRunner:
             m["target_passes"] += 1
             m["draft_tokens"] += int(num_draft[j])
             m["accepted_tokens"] += a
+            e.count_speculation(int(num_draft[j]), a)
             kept.append([*map(int, drafts[j, :a]), int(nxt[j])])
         rows_n = len(rows)
         return _Cycle(kept, num_draft[:rows_n], np.asarray(log_p)[:rows_n],
@@ -127,9 +128,10 @@ class SpecRunner:
 
     def _decode(self, rows) -> "_Cycle":
         """One plain decode step (the engine's) for rows with nothing proposed."""
-        tokens = np.asarray(self.engine._dispatch_decode(rows))
+        tokens = np.asarray(self.engine._dispatch(rows).tokens)
         for r in rows:
             r.spec_metrics["target_passes"] += 1
+            self.engine.count_speculation(0, 0)
         return _Cycle.plain([[int(tokens[j])] for j in range(len(rows))])
 
     @staticmethod
@@ -253,6 +255,12 @@ class SpecRunner:
 
 def check_request(spec: SpecConfig, params) -> None:
     """Refuse sampling settings the method cannot serve, with what to do instead."""
+    if params.logprobs is not None:
+        raise InvalidRequestError("logprobs are not reported under speculative decoding; "
+                                  "drop speculative or logprobs")
+    if params.logits_processor is not None:  # a mask would change what p is
+        raise InvalidRequestError("a request with a logits_processor does not speculate; "
+                                  "drop speculative or the processor")
     if spec.method != "smc":
         return
     if params.greedy:

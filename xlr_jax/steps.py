@@ -1,9 +1,9 @@
-"""Jitted prefill and decode steps over the paged KV (donated), with shape buckets.
+"""The jitted ragged step over the paged KV (donated), with shape buckets.
 
-Every array a step sees has a bucketed shape: batch rows, chunk length and
-block-table width are rounded up to the plan's buckets, so each step compiles
-at most once per bucket combination. Prefill and decode run ahead-of-time
-executables, one per shape, which an `ExecutableStore` keeps across processes.
+Every step is one StepBatch (see step_batch): decode rows and at most one prefill
+chunk, their counts rounded up to the plan's buckets, so the step compiles once per
+(rows, chunk) pair: a few dozen executables, run ahead of time, which an
+`ExecutableStore` keeps across processes.
 """
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
 from xlr_jax.config import ModelConfig
 from xlr_jax.executables import ExecutableStore, compile_fresh
-from xlr_jax.model import Params, forward, lm_head
+from xlr_jax.model import Params, forward, forward_step, lm_head
 from xlr_jax.paged_kv import PagedKV
-from xlr_jax.sampling import SAMPLERS, SamplingBatch, sample
+from xlr_jax.sampling import row_logprobs, sample_rows
+from xlr_jax.step_batch import StepBatch, StepBuilder
 
 
 def pick_bucket(n: int, sizes: tuple[int, ...]) -> int:
@@ -34,35 +34,27 @@ def pick_bucket(n: int, sizes: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class Buckets:
-    batch: tuple[int, ...]
+    batch: tuple[int, ...]   # decode rows (and speculative rows)
     chunk: tuple[int, ...]   # prefill chunk lengths; the last is the chunk size
-    pages: tuple[int, ...]   # block-table widths
+    pages: tuple[int, ...]   # block-table widths of speculative cycles and scoring
+    attn_block: int = 4      # pages the ragged step's attention reads at a time
+
+    @property
+    def table_width(self) -> int:
+        """The ragged step's block-table width: the widest table, in whole blocks."""
+        return -(-self.pages[-1] // self.attn_block) * self.attn_block
 
 
-def _prefill(params: Params, kv: PagedKV, tokens, start, num_new, block_tables,
-             sampling: SamplingBatch, *, config: ModelConfig, attn_impl: str,
-             sampler: str):
-    """Append chunk `tokens` [B, T] after `start` [B]; sample after each row's last token."""
-    batch, chunk = tokens.shape
-    offs = jnp.arange(chunk, dtype=jnp.int32)
-    positions = start[:, None] + offs
-    valid = offs < num_new[:, None]
-    hidden, kv = forward(params, kv, tokens, positions, valid, block_tables,
-                         config=config, attn_impl=attn_impl)
-    last = hidden[jnp.arange(batch), jnp.maximum(num_new - 1, 0)]
-    logits = lm_head(params, last)
-    return sample(logits, sampling, sampler=sampler), logits, kv
-
-
-def _decode(params: Params, kv: PagedKV, tokens, positions, block_tables,
-            sampling: SamplingBatch, *, config: ModelConfig, attn_impl: str,
-            sampler: str):
-    """Append one token per row at `positions` [B]; sample the next."""
-    hidden, kv = forward(params, kv, tokens[:, None], positions[:, None],
-                         jnp.ones_like(tokens, bool)[:, None], block_tables,
-                         config=config, attn_impl=attn_impl)
-    logits = lm_head(params, hidden[:, 0])
-    return sample(logits, sampling, sampler=sampler), logits, kv
+def _step(params: Params, kv: PagedKV, batch: StepBatch, *, config: ModelConfig,
+          attn_impl: str, pages_per_block: int):
+    """One ragged step (see step_batch): a token per row, each row paying only for its
+    own sampler; the rows' logits; and their log-probabilities where asked (see
+    sampling.row_logprobs)."""
+    hidden, kv = forward_step(params, kv, batch, config=config, attn_impl=attn_impl,
+                              pages_per_block=pages_per_block)
+    logits = lm_head(params, hidden)
+    tokens = sample_rows(logits + batch.bias, batch.sampling)
+    return tokens, logits, row_logprobs(logits, tokens, batch.sampling), kv
 
 
 def _all_logits(params: Params, kv: PagedKV, tokens, start, num_new, block_tables, *,
@@ -78,25 +70,25 @@ def _all_logits(params: Params, kv: PagedKV, tokens, start, num_new, block_table
 class Steps:
     """The jitted step functions of one model; KV is donated to every call.
 
-    Prefill and decode compile once per shape ahead of time (`jit(...).lower(...)
-    .compile()`) and keep the executable; `warmup` does so for every bucket, so
-    serving compiles nothing. With a store (`use_store`), executables are saved to
-    disk and the next process loads them instead of tracing and compiling.
+    The ragged step compiles once per (decode rows, chunk) bucket ahead of time
+    (`jit(...).lower(...).compile()`) and keeps the executable; `warmup` does so for
+    every bucket, so serving compiles nothing. With a store (`use_store`), executables
+    are saved to disk and the next process loads them instead of tracing and compiling.
     """
 
-    def __init__(self, config: ModelConfig, attn_impl: str = "auto",
+    def __init__(self, config: ModelConfig, buckets: Buckets, attn_impl: str = "auto",
                  compiler_options: dict | None = None):
-        self.config, self.attn_impl = config, attn_impl
+        self.config, self.buckets, self.attn_impl = config, buckets, attn_impl
         self.compiler_options = compiler_options or {}
         # config bound per instance: jit caches are per function object, so each Steps
         # counts (and owns) only its own compilations
         fixed = dict(config=config, attn_impl=attn_impl)
         jit = partial(jax.jit, donate_argnames="kv", compiler_options=compiler_options or None)
-        self._prefill = jit(partial(_prefill, **fixed), static_argnames="sampler")
-        self._decode = jit(partial(_decode, **fixed), static_argnames="sampler")
+        self._step = jit(partial(_step, pages_per_block=buckets.attn_block, **fixed))
         self._all_logits = jit(partial(_all_logits, **fixed))
-        # (step, token shape, table width, sampler) -> executable
+        # ("step", decode rows, chunk) -> executable
         self._aot: dict[tuple, jax.stages.Compiled] = {}
+        self._zeros: dict[int, jax.Array] = {}  # rows -> zero bias on the device
         self.store: ExecutableStore | None = None
 
     def use_store(self, store: ExecutableStore, params, kv: PagedKV) -> tuple[PagedKV, int]:
@@ -109,19 +101,28 @@ class Steps:
         for key, exe in store.take_preloaded():
             if key not in self._aot:
                 self._aot[key] = exe
-                *_, kv = exe(params, kv, *self._scratch_args(key))
+                *_, kv = exe(params, kv, self._scratch(key))
                 taken += 1
         return jax.block_until_ready(kv), taken
 
-    def prefill(self, params, kv, tokens, start, num_new, block_tables, sampling, sampler):
-        key = ("prefill", tokens.shape, block_tables.shape[1], sampler)
-        return self._executable(key, params, kv)(params, kv, tokens, start, num_new,
-                                                 block_tables, sampling)
+    def step(self, params, kv, batch: StepBatch):
+        """Run `batch`: sampled tokens [rows], logits [rows, V], log-probabilities
+        (chosen [rows], top ids and values [rows, MAX_LOGPROBS]) and the new KV."""
+        key = ("step", batch.decode_rows, batch.chunk)
+        return self._executable(key, params, kv)(params, kv, batch)
 
-    def decode(self, params, kv, tokens, positions, block_tables, sampling, sampler):
-        key = ("decode", tokens.shape, block_tables.shape[1], sampler)
-        return self._executable(key, params, kv)(params, kv, tokens, positions,
-                                                 block_tables, sampling)
+    def builder(self, decode_rows: int, chunk_tokens: int) -> StepBuilder:
+        """A step's builder for this many decode rows and chunk tokens, bucketed."""
+        rows = pick_bucket(decode_rows, self.buckets.batch) if decode_rows else 0
+        chunk = pick_bucket(chunk_tokens, self.buckets.chunk) if chunk_tokens else 0
+        return StepBuilder(rows, chunk, self.buckets.table_width, self._zero_bias(rows, chunk))
+
+    def _zero_bias(self, rows: int, chunk: int) -> jax.Array:
+        """The zeros [rows, V] of steps without logits processing, kept on the device."""
+        n = StepBatch.rows_of(rows, chunk)
+        if n not in self._zeros:
+            self._zeros[n] = jnp.zeros((n, self.config.vocab_size), jnp.float32)
+        return self._zeros[n]
 
     def _executable(self, key: tuple, params, kv, use: bool = True) -> jax.stages.Compiled:
         """The executable for `key`: kept, loaded from the store, or compiled (and stored).
@@ -130,7 +131,7 @@ class Steps:
         if exe is None:
             exe = self.store.load(key) if self.store else None
             if exe is None:
-                lowered = self._lower(key, params, kv)
+                lowered = self._step.lower(params, kv, self._scratch(key))
                 exe = compile_fresh(lowered) if self.store else lowered.compile()
                 if self.store:
                     self.store.save(key, exe)
@@ -139,46 +140,33 @@ class Steps:
             self.store.note_use(key)
         return exe
 
-    @staticmethod
-    def _scratch_args(key: tuple) -> tuple:
-        """The arguments after (params, kv) of the step `key` names, touching only the
-        scratch page: zero tokens, positions and block tables, no valid prefill token."""
-        kind, shape, width, _ = key
-        rows = shape[0]
-        ints = lambda *s: np.zeros(s, np.int32)  # noqa: E731
-        sampling = SamplingBatch.build([], [], rows)
-        if kind == "decode":
-            return ints(rows), ints(rows), ints(rows, width), sampling
-        return ints(*shape), ints(rows), ints(rows), ints(rows, width), sampling
-
-    def _lower(self, key: tuple, params, kv) -> jax.stages.Lowered:
-        step = self._decode if key[0] == "decode" else self._prefill
-        return step.lower(params, kv, *self._scratch_args(key), sampler=key[3])
+    def _scratch(self, key: tuple) -> StepBatch:
+        """A batch of the step `key` names that touches only the scratch page."""
+        _, rows, chunk = key
+        return StepBatch.empty(rows, chunk, self.buckets.table_width,
+                               self._zero_bias(rows, chunk))
 
     def all_logits(self, params, kv, tokens, start, num_new, block_tables):
         return self._all_logits(params, kv, tokens, start, num_new, block_tables)
 
-    def warmup(self, params, kv, buckets: Buckets, progress: bool = True) -> list[dict]:
-        """Compile prefill and decode for every bucket combination and sampler (see
-        sampling.SAMPLERS); returns each compile's shapes and seconds."""
-        jobs = [("decode", (rows,), width, sampler)
-                for rows in buckets.batch for width in buckets.pages for sampler in SAMPLERS]
-        jobs += [("prefill", (rows, chunk), width, sampler)
-                 for rows in buckets.batch for chunk in buckets.chunk
-                 for width in buckets.pages for sampler in SAMPLERS]
+    def keys(self) -> list[tuple]:
+        """Every step shape serving may run: decode rows 0 or a batch bucket, chunk 0 or a
+        chunk bucket, not both 0."""
+        return [("step", rows, chunk) for rows in (0, *self.buckets.batch)
+                for chunk in (0, *self.buckets.chunk) if rows or chunk]
+
+    def warmup(self, params, kv, progress: bool = True) -> list[dict]:
+        """Compile every step shape (see `keys`); returns each compile's shape and seconds."""
         report = []
-        for kind, shape, width, sampler in tqdm(jobs, desc="Compiling buckets", unit="step",
-                                                disable=not progress or None, leave=False):
-            key = (kind, shape, width, sampler)
+        for key in tqdm(self.keys(), desc="Compiling steps", unit="step",
+                        disable=not progress or None, leave=False):
             if key in self._aot:
                 continue
             start = time.perf_counter()
             self._executable(key, params, kv, use=False)
-            report.append({"step": kind, "batch": shape[0], "chunk": shape[1] if len(shape) > 1
-                           else 1, "pages": width, "sampler": sampler,
+            report.append({"decode_rows": key[1], "chunk": key[2],
                            "compile_s": time.perf_counter() - start})
         return report
 
     def compilations(self) -> dict[str, int]:
-        aot = {kind: sum(k[0] == kind for k in self._aot) for kind in ("prefill", "decode")}
-        return {**aot, "all_logits": self._all_logits._cache_size()}
+        return {"step": len(self._aot), "all_logits": self._all_logits._cache_size()}

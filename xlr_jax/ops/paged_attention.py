@@ -41,11 +41,13 @@ def resolve_impl(impl: str) -> str:
 
 def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
                     cu_q_lens=None, max_q_len=None, kv_scales=None, layer=None,
-                    sliding_window=None, impl="auto"):
+                    sliding_window=None, impl="auto", pages_per_block=None):
     """Causal GQA attention of `q` over each sequence's pages; returns q's shape.
 
     Padded form when `cu_q_lens` is None, ragged otherwise (see the module
     docstring). `max_q_len` (static) bounds a ragged sequence's token count.
+    `pages_per_block` (padded form, XLA): walk only the pages the queries see, that
+    many at a time (`paged_attention_blocked`), instead of the whole block table.
     """
     impl = resolve_impl(impl)
     k_pages, v_pages = kv_pages
@@ -54,6 +56,11 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
         if q.ndim != 4 or q_positions is None or q_positions.shape != q.shape[:2]:
             raise ValueError("padded attention takes q [batch, q_len, heads, dim] and "
                              "q_positions [batch, q_len]; pass cu_q_lens for ragged q")
+        if impl == "xla" and pages_per_block:
+            return paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions,
+                                           pages_per_block=pages_per_block,
+                                           kv_scales=kv_scales, layer=layer,
+                                           sliding_window=sliding_window)
         if impl == "xla":
             return _padded_xla(q, k_pages, v_pages, ks, vs, layer, block_tables, lengths,
                                q_positions, sliding_window)
@@ -162,3 +169,87 @@ def paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions, *,
     visible = visible_at(jnp.arange(span, dtype=jnp.int32))[:, None, None]
     out = _softmax_product(scores, visible, v, "bkgts,bksd->bkgtd")
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, head_dim).astype(out_dtype)
+
+
+
+def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
+                            pages_per_block: int, kv_scales=None, sliding_window=None,
+                            layer=None):
+    """The XLA path whose cost follows the pages the queries can see (padded q).
+
+    Walks the block tables `pages_per_block` pages at a time with an online softmax
+    in f32, from the first block any query sees to the last: a dynamic trip count, so a
+    block table may be as wide as the longest context and a short sequence still reads
+    only its own few pages. `block_tables` must be a whole number of blocks wide.
+    One query per sequence (decode) takes the reference's layout: every head against
+    the pages as they lie, no transpose of the gathered block.
+    """
+    k_pages, v_pages = kv_pages
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_heads, page_size = k_pages.shape[-3], k_pages.shape[-2]
+    group = num_heads // kv_heads
+    span = pages_per_block * page_size
+    if block_tables.shape[1] % pages_per_block:
+        raise ValueError(f"block tables {block_tables.shape[1]} pages wide are not a whole "
+                         f"number of {pages_per_block}-page blocks")
+    out_dtype = q.dtype
+    q = q.astype(jnp.float32) * head_dim ** -0.5
+    valid = q_positions >= 0
+    last = jnp.max(jnp.where(valid, jnp.minimum(q_positions + 1, lengths[:, None]), 0))
+    first = 0
+    if sliding_window is not None:
+        lowest = jnp.min(jnp.where(valid, q_positions, jnp.iinfo(jnp.int32).max))
+        first = jnp.maximum(lowest - sliding_window + 1, 0) // span
+    pick = (lambda x, idx: x[layer, idx]) if layer is not None else (lambda x, idx: x[idx])
+    decode = q_len == 1
+    if decode:  # [B, H, D]; a column is (page, kv head, slot) as the pages lie
+        qs = q[:, 0]
+        col = jnp.arange(pages_per_block * kv_heads * page_size, dtype=jnp.int32)
+        col_pos = col // (kv_heads * page_size) * page_size + col % page_size
+        own = (jnp.arange(num_heads) // group)[:, None] == (col // page_size) % kv_heads
+        rows = (batch, num_heads)
+    else:  # [B, kvh, group, Q, D]; per KV head, the block's positions in order
+        qs = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+        col_pos = jnp.arange(span, dtype=jnp.int32)
+        rows = (batch, kv_heads, group, q_len)
+
+    def block(i, carry):
+        peak, total, acc = carry
+        table = jax.lax.dynamic_slice_in_dim(block_tables, i * pages_per_block,
+                                             pages_per_block, axis=1)
+        k, v = pick(k_pages, table), pick(v_pages, table)   # [B, P, kvh, ps, D]
+        if kv_scales is not None:
+            k = k.astype(jnp.float32) * pick(kv_scales[0], table)[..., None]
+            v = v.astype(jnp.float32) * pick(kv_scales[1], table)[..., None]
+        pos = i * span + col_pos
+        seen = (pos <= q_positions[..., None]) & (pos < lengths[:, None, None])
+        if sliding_window is not None:
+            seen &= pos > q_positions[..., None] - sliding_window
+        if decode:
+            k, v = (x.reshape(batch, -1, head_dim) for x in (k, v))
+            scores = jnp.einsum("bhd,bcd->bhc", qs, k, preferred_element_type=jnp.float32)
+            scores = jnp.where(seen[:, 0][:, None, :] & own[None], scores, -jnp.inf)
+            spec = "bhc,bcd->bhd"
+        else:
+            k, v = (x.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, span, head_dim)
+                    for x in (k, v))
+            scores = jnp.einsum("bkgtd,bksd->bkgts", qs, k,
+                                preferred_element_type=jnp.float32)
+            scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
+            spec = "bkgts,bksd->bkgtd"
+        new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
+        safe = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
+        weights = jnp.exp(scores - safe[..., None])
+        rescale = jnp.exp(peak - safe)  # 0 while nothing was seen (peak -inf)
+        total = total * rescale + jnp.sum(weights, axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum(spec, weights.astype(v.dtype), v,
+                                                    preferred_element_type=jnp.float32)
+        return new_peak, total, acc
+
+    init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
+            jnp.zeros((*rows, head_dim), jnp.float32))
+    _, total, acc = jax.lax.fori_loop(first, -(-last // span), block, init)
+    out = acc / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]
+    if decode:
+        return out[:, None].astype(out_dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(out_dtype)

@@ -1,0 +1,307 @@
+"""Online serving on the embedded model: Poisson arrivals at several request rates, through the
+always-on engine (`model.submit`, streamed) and through today's path (a thread per request
+calling `model.generate`), side by side.
+
+Workload: one seeded set of requests, replayed at every rate (only the arrival times scale with
+1/rate, so the rates differ in load alone): inter-arrival gaps exponential (a Poisson process),
+prompts log-uniform in 64-2,048 tokens, outputs log-uniform in 16-256 tokens, greedy with EOS
+ignored (every request decodes exactly its output length). A prompt is a window of the passage
+of experiments/cpu_vs_transformers.toml, tiled, starting at a random offset, as token ids. The
+model is loaded with the prefix cache off: both paths prefill every prompt in full, whatever ran
+before. Every step shape is compiled before anything is timed.
+
+Paths, on the same loaded model, one after the other at each rate:
+  engine   one driver thread submits each request at its arrival time; a consumer thread per
+           request iterates `handle.tokens()`, timestamping every token as it arrives
+  threads  a thread per request sleeps until its arrival time, then calls `generate`
+Per request, both paths alike: TTFT = from the scheduled arrival to the first token (the call's
+start plus metrics["ttft_s"], so time a request waited before its call counts), ITL = its mean
+inter-token gap (metrics["itl_s"]), latency = arrival to the call's return. Per rate and path:
+throughput (completion tokens / (last return - first arrival)), TTFT, ITL and latency p50/p99
+over requests, and for the engine path the p50/p99 of every streamed inter-token gap; the
+engine/threads ratio of each. Each run is bounded by --timeout: at the deadline the model is
+shut down (a `generate` call has no handle to cancel), requests in flight end "abort" and are
+counted, later arrivals are never issued, and the model is loaded again for the next run.
+
+Both paths reach the same scheduler (`generate` is `submit` plus `result()`); they differ in
+how a caller makes and follows a request. Targets: none; this records the serving curve of both.
+Duration on a 2-core CPU: ~10 minutes (with seed 0 the arrivals alone span 7.3 minutes over
+both paths), plus ~5 minutes compiling the 29 step shapes on a new cache directory. --quick
+(tiny shapes, 2 rates of 6 requests) takes about a minute on a new cache directory, most of it
+compiling; it is a smoke test, not a measurement.
+
+Run: python experiments/online_engine.py [--out experiments/results] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+import tomllib
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+PASSAGE = Path(__file__).with_name("cpu_vs_transformers.toml")
+FULL = dict(rates=[0.15, 0.3, 0.6, 1.2], requests=12, prompt=(64, 2048), output=(16, 256),
+            timeout=300.0, load={})
+# tiny shapes: 5 step executables to compile, 6 short requests per rate
+QUICK = dict(rates=[1.0, 4.0], requests=6, prompt=(16, 64), output=(4, 8), timeout=60.0,
+             load=dict(max_batch=2, prefill_chunk=16))
+PATHS = ("engine", "threads")
+RATIOS = ("throughput_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
+          "latency_p50_s", "latency_p99_s")
+PLAN_KEYS = ("max_context", "max_batch", "prefill_chunk", "page_size", "num_pages",
+             "compute_dtype", "attn_impl")
+
+
+def workload(tokenizer, n: int, prompt: tuple[int, int], output: tuple[int, int],
+             seed: int) -> list[dict]:
+    """`n` requests: arrival in units of the mean gap (scaled by 1/rate later), prompt ids,
+    max_tokens."""
+    rng = np.random.default_rng(seed)
+    text = tomllib.loads(PASSAGE.read_text())["prompt"]["passage"]
+    base = tokenizer.encode(text, add_special_tokens=False)
+    tiled = base * (prompt[1] // len(base) + 2)  # any offset in base leaves a full window
+    gaps = rng.exponential(1.0, n)
+    arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+
+    def log_uniform(lo, hi):
+        return np.exp(rng.uniform(np.log(lo), np.log(hi + 1), n)).astype(int).clip(lo, hi)
+
+    lengths, outputs = log_uniform(*prompt), log_uniform(*output)
+    offsets = rng.integers(0, len(base), n)
+    return [{"arrival": float(a), "prompt": tiled[o:o + p], "max_tokens": int(m)}
+            for a, p, m, o in zip(arrivals, lengths, outputs, offsets)]
+
+
+def _sleep_until(t: float) -> None:
+    time.sleep(max(0.0, t - time.perf_counter()))
+
+
+def _record(req: dict, arrival: float, issued: float, result, t0: float) -> dict:
+    returned = time.perf_counter()
+    m = result.metrics
+    ttft = None if m["ttft_s"] is None else issued + m["ttft_s"] - arrival
+    return {"arrival_s": arrival - t0, "issued_s": issued - t0, "returned_s": returned - t0,
+            "prompt_tokens": len(req["prompt"]), "max_tokens": req["max_tokens"],
+            "completion_tokens": m["completion_tokens"], "finish_reason": result.finish_reason,
+            "ttft_s": ttft, "itl_s": m["itl_s"], "latency_s": returned - arrival}
+
+
+def run_engine(model, requests: list[dict], t0: float, deadline: float, records: list,
+               gaps: list) -> list[threading.Thread]:
+    """Submit each request at its arrival (this thread); a consumer thread per request
+    keeps its record and its streamed inter-token gaps."""
+    from xlr_jax.errors import XlrError
+
+    def consume(i, req, arrival, issued, handle):
+        times = [time.perf_counter() for _ in handle.tokens()]
+        records[i] = _record(req, arrival, issued, handle.result(), t0)
+        gaps[i] = np.diff(times).tolist()
+
+    consumers = []
+    for i, req in enumerate(requests):
+        arrival = t0 + req["arrival"]
+        if arrival >= deadline:
+            break
+        _sleep_until(arrival)
+        issued = time.perf_counter()
+        try:
+            handle = model.submit(req["prompt"], max_tokens=req["max_tokens"], ignore_eos=True)
+        except XlrError:  # shut down at the deadline: not issued
+            break
+        consumers.append(threading.Thread(target=consume, daemon=True,
+                                          args=(i, req, arrival, issued, handle)))
+        consumers[-1].start()
+    return consumers
+
+
+def run_threads(model, requests: list[dict], t0: float, deadline: float,
+                records: list) -> list[threading.Thread]:
+    """A thread per request: sleep until its arrival, then `generate` (today's path)."""
+    from xlr_jax.errors import XlrError
+
+    def call(i, req, arrival):
+        _sleep_until(arrival)
+        issued = time.perf_counter()
+        try:
+            result = model.generate(req["prompt"], max_tokens=req["max_tokens"],
+                                    ignore_eos=True)
+        except XlrError:  # shut down at the deadline: not issued
+            return
+        records[i] = _record(req, arrival, issued, result, t0)
+
+    threads = [threading.Thread(target=call, args=(i, req, t0 + req["arrival"]), daemon=True)
+               for i, req in enumerate(requests) if t0 + req["arrival"] < deadline]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _percentiles(values: list, name: str) -> dict:
+    return {f"{name}_p{q}_s": float(np.percentile(values, q)) if values else None
+            for q in (50, 99)}
+
+
+def serve(model, path: str, requests: list[dict], rate: float, timeout: float) -> dict:
+    """One run of the workload at `rate` through `path`; True in "timed_out" when the model
+    was shut down at the deadline (the caller loads it again)."""
+    scaled = [{**r, "arrival": r["arrival"] / rate} for r in requests]
+    records, gaps = [None] * len(scaled), [None] * len(scaled)
+    t0 = time.perf_counter() + 0.05  # the threads are started before the first arrival
+    deadline = t0 + timeout
+    threads = (run_engine(model, scaled, t0, deadline, records, gaps) if path == "engine"
+               else run_threads(model, scaled, t0, deadline, records))
+    for t in threads:
+        t.join(max(0.0, deadline - time.perf_counter()))
+    timed_out = any(t.is_alive() for t in threads)
+    if timed_out:
+        model.shutdown()
+        for t in threads:
+            t.join()
+    answered = [r for r in records if r is not None]
+    # latencies of the requests that ran to the end; throughput counts every token delivered
+    done = [i for i, r in enumerate(records) if r and r["finish_reason"] == "length"]
+    finished = [records[i] for i in done]
+    span = max((r["returned_s"] for r in answered), default=0.0)
+    tokens = sum(r["completion_tokens"] for r in answered)
+    return {"requests": len(scaled), "finished": len(finished),
+            "aborted": sum(r["finish_reason"] == "abort" for r in answered),
+            # never issued (arriving after the deadline) or failed
+            "unanswered": len(scaled) - len(answered), "timed_out": timed_out,
+            "completion_tokens": tokens, "throughput_tokens_per_s": tokens / span if span else 0.0,
+            **_percentiles([r["ttft_s"] for r in finished], "ttft"),
+            **_percentiles([r["itl_s"] for r in finished], "itl"),
+            **_percentiles([r["latency_s"] for r in finished], "latency"),
+            **(_percentiles([g for i in done for g in gaps[i]], "itl_gap")
+               if path == "engine" else {}),
+            "per_request": records}
+
+
+def warm_up(model, requests: list[dict]) -> None:
+    """Compile every step shape, then run two requests together (host-side first-call
+    costs), before anything is timed."""
+    model.warmup(progress=False)
+    model.generate([r["prompt"] for r in requests[:2]], max_tokens=2, ignore_eos=True)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogFormatter, NullLocator
+
+    rates = [r["rate_per_s"] for r in result["rates"]]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    panels = (("throughput (tokens/s)", 1, "linear", ["throughput_tokens_per_s"]),
+              ("TTFT (s, log)", 1, "log", ["ttft_p50_s", "ttft_p99_s"]),
+              ("ITL (ms, log)", 1e3, "log", ["itl_p50_s", "itl_p99_s"]))
+    for ax, (label, scale, yscale, keys) in zip(axes, panels):
+        for name, marker, color in zip(PATHS, "os", ("C0", "C1")):
+            for key, style in zip(keys, ("-", "--")):
+                values = [np.nan if r[name][key] is None else r[name][key] * scale
+                          for r in result["rates"]]
+                suffix = f" {key.split('_')[1]}" if len(keys) > 1 else ""
+                ax.plot(rates, values, style, marker=marker, color=color, label=name + suffix)
+        ax.set_xscale("log")
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_yscale(yscale)
+        if yscale == "log":  # plain numbers, not powers of ten
+            ax.yaxis.set_major_formatter(LogFormatter())
+            ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+        else:
+            ax.set_ylim(bottom=0)
+        ax.set_xlabel("request rate (requests/s, log)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M online serving, {result['config']['requests_per_rate']} "
+                 f"Poisson requests per rate ({result['environment']['device_kind']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def _row(rate: float, path: str, f: dict) -> str:
+    return (f"rate {rate:g}/s {path:<8} finished {f['finished']}/{f['requests']} "
+            f"{f['throughput_tokens_per_s']:.1f} tok/s  TTFT p50/p99 {_ms(f['ttft_p50_s'])}/"
+            f"{_ms(f['ttft_p99_s'])} ms  ITL p50/p99 {_ms(f['itl_p50_s'])}/"
+            f"{_ms(f['itl_p99_s'])} ms")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="experiments/results", help="directory for JSON and PNG")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and 2 rates: a smoke test")
+    ap.add_argument("--rates", type=float, nargs="+", help="requests per second")
+    ap.add_argument("--requests", type=int, help="requests per rate")
+    ap.add_argument("--timeout", type=float, help="seconds per rate and path before aborting")
+    ap.add_argument("--seed", type=int, default=0, help="the workload's generator seed")
+    ap.add_argument("--cache-dir", help="the model cache (default: xlr-jax's)")
+    args = ap.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    rates, n = args.rates or preset["rates"], args.requests or preset["requests"]
+    timeout = args.timeout or preset["timeout"]
+    # the longest prompt plus its longest output fits the context
+    load = {**preset["load"], "max_context": preset["prompt"][1] + preset["output"][1],
+            "prefix_cache": False, "cache_dir": args.cache_dir}
+
+    import xlr_jax
+    from xlr_jax.bench import environment, git_state
+
+    model = xlr_jax.load_model("smollm2", **load)
+    requests = workload(model.tokenizer, n, preset["prompt"], preset["output"], args.seed)
+    warm_up(model, requests)
+    runs = []
+    for rate in rates:
+        run = {"rate_per_s": rate}
+        for path in PATHS:
+            run[path] = serve(model, path, requests, rate, timeout)
+            if run[path]["timed_out"]:  # shut down at the deadline: a fresh model goes on
+                model = xlr_jax.load_model("smollm2", **load)
+                warm_up(model, requests)
+        run["engine_over_threads"] = {
+            k: run["engine"][k] / run["threads"][k] if run["engine"][k] and run["threads"][k]
+            else None for k in RATIOS}
+        runs.append(run)
+        for path in PATHS:
+            print(_row(rate, path, run[path]), flush=True)
+    plan = model.plan.to_dict()
+    model.shutdown()
+
+    result = {"experiment": "online_engine",
+              "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "environment": environment(uses_torch=False), "git": git_state(),
+              "quick": args.quick,
+              "config": {"rates_per_s": rates, "requests_per_rate": n, "seed": args.seed,
+                         "prompt_tokens": list(preset["prompt"]),
+                         "output_tokens": list(preset["output"]), "timeout_s": timeout,
+                         "text": PASSAGE.name + " [prompt].passage",
+                         "load": {k: v for k, v in load.items() if k != "cache_dir"},
+                         "plan": {k: plan[k] for k in PLAN_KEYS}},
+              "load": model.load_info,
+              "workload": [{"arrival_in_mean_gaps": r["arrival"],
+                            "prompt_tokens": len(r["prompt"]), "max_tokens": r["max_tokens"]}
+                           for r in requests],
+              "rates": runs}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = out / f"online_engine-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2))
+    plot(result, path.with_suffix(".png"))
+    print(json.dumps({"out": str(path)}))
+    return result
+
+
+if __name__ == "__main__":
+    main()

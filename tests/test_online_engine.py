@@ -1,0 +1,36 @@
+"""experiments/online_engine.py runs end to end (--quick) and reports sane figures per rate."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_online_engine_experiment_quick(tmp_path, cache_dir):
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "online_engine.py"),
+                          "--quick", "--out", str(tmp_path), "--cache-dir", str(cache_dir)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (path,) = tmp_path.glob("online_engine-*.json")
+    assert path.with_suffix(".png").stat().st_size > 0
+    r = json.loads(path.read_text())
+    assert r["experiment"] == "online_engine" and r["quick"]
+    assert r["environment"]["cpu_count"] and "sha" in r["git"]
+    workload = r["workload"]
+    assert len(workload) == r["config"]["requests_per_rate"]
+    assert [run["rate_per_s"] for run in r["rates"]] == r["config"]["rates_per_s"]
+    for run in r["rates"]:
+        for path_name in ("engine", "threads"):
+            f = run[path_name]
+            assert not f["timed_out"] and f["finished"] == f["requests"] == len(workload)
+            # EOS ignored: every request decodes exactly its max_tokens
+            assert [q["completion_tokens"] for q in f["per_request"]] == \
+                [w["max_tokens"] for w in workload]
+            assert f["completion_tokens"] == sum(w["max_tokens"] for w in workload)
+            assert f["throughput_tokens_per_s"] > 0
+            for name in ("ttft", "itl", "latency"):
+                assert 0 < f[f"{name}_p50_s"] <= f[f"{name}_p99_s"]
+            assert all(0 < q["ttft_s"] <= q["latency_s"] for q in f["per_request"])
+        assert 0 < run["engine"]["itl_gap_p50_s"] <= run["engine"]["itl_gap_p99_s"]
+        assert run["engine_over_threads"]["throughput_tokens_per_s"] > 0
