@@ -350,8 +350,9 @@ def test_compilations_never_exceed_the_buckets(warm):
     p = plan(PROFILES["cpu24"], TINY, Workload(max_batch=2, prefill_chunk=32), page_size=16)
     engine = Engine.from_plan(TINY, random_params(TINY, jnp.float32, 0), None, p)
     b = p.buckets
-    # (decode rows, chunk): 0 or a bucket each, not both 0; the sampler is not a shape
-    shapes = (len(b.batch) + 1) * (len(b.chunk) + 1) - 1
+    # decode rows alone, a chunk alone, a chunk beside the largest batch; the sampler and
+    # the block-table width are no shapes
+    shapes = len(b.batch) + 2 * len(b.chunk)
     assert len(engine.steps.keys()) == shapes
     if warm:
         report = engine.steps.warmup(engine.params, engine.kv, progress=False)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from xlr_jax.errors import InvalidRequestError
@@ -50,7 +52,9 @@ def _plan_for(args):
 def cmd_plan(args) -> int:
     args.model = args.model_pos or args.model
     execution, model = _plan_for(args)
+    started = time.perf_counter()
     report = model.warmup() if model is not None else None
+    warmup_s = time.perf_counter() - started
     if args.json:
         out = execution.to_dict()
         if report is not None:
@@ -68,8 +72,9 @@ def cmd_plan(args) -> int:
           + f"   # {reasons['memory']}")
     if report:
         times = [r["compile_s"] for r in report]
-        print(f"          warmup: {len(times)} executables compiled in {sum(times):.1f} s "
-              f"(median {statistics.median(times):.2f} s, max {max(times):.2f} s)")
+        print(f"          warmup: {len(times)} executables compiled in {warmup_s:.1f} s, "
+              f"{os.cpu_count()} at a time (each {statistics.median(times):.2f} s median, "
+              f"{max(times):.2f} s max)")
     return 0
 
 

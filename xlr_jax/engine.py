@@ -746,7 +746,8 @@ class Engine:
         is still running, and the first token of a request whose prompt the chunk
         completed. Returns those requests and the text each made visible."""
         sampled = np.asarray(step.tokens)
-        logprobs = step.logprob_rows() or itertools.repeat(None)
+        rows_logprobs = step.logprob_rows()
+        logprobs = rows_logprobs or itertools.repeat(None)
         now = time.perf_counter()
         # the step ran from its dispatch, or from the end of the one ahead of it
         self._step_times.append(now - max(step.started, self._last_accept))
@@ -765,9 +766,8 @@ class Engine:
             self._persist_tier(r)
             self._count(r)
             reqs.append(r)
-            lp = step.logprob_rows()
             pieces.append(r.accept(int(sampled[step.chunk_row]), now,
-                                   lp[step.chunk_row] if lp else None))
+                                   rows_logprobs[step.chunk_row] if rows_logprobs else None))
         return reqs, pieces
 
     def logits(self, ids: list[int]) -> np.ndarray:

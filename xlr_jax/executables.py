@@ -34,7 +34,9 @@ import jax
 from xlr_jax.disk_cache import write_atomic
 
 log = logging.getLogger(__name__)
-_FRESH = threading.Lock()
+_FRESH = threading.Lock()  # guards the two below
+_fresh_compiles = 0  # compile_fresh calls running now
+_cache_was_enabled = True  # the persistent cache's switch before the first of them
 STORE_VERSION = 1
 PRELOAD_LIMIT = 8  # a longer session's other steps load when first needed
 
@@ -79,18 +81,32 @@ def compile_fresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     """Compile without JAX's persistent cache: an executable fetched from it serializes
     without its kernels (jaxlib 0.10.2 on the CPU: "Function ... not found" when the
     reloaded copy runs), so what goes into the store is always compiled here. The cache
-    is switched off for this one compile and picked up again after it."""
+    is switched off while any of these compiles (they may run in parallel threads) and
+    picked up again after the last."""
+    with _persistent_cache_off():
+        return lowered.compile()
+
+
+@contextlib.contextmanager
+def _persistent_cache_off():
+    """The switch is global: the first compile in turns it off, the last out back on."""
     from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
-    with _FRESH:  # the switch is global: two of these must not interleave
-        enabled = jax.config.jax_enable_compilation_cache
-        jax.config.update("jax_enable_compilation_cache", False)
-        reset_cache()  # JAX decides once whether the cache is used; make it ask again
-        try:
-            return lowered.compile()
-        finally:
-            jax.config.update("jax_enable_compilation_cache", enabled)
-            reset_cache()
+    global _fresh_compiles, _cache_was_enabled
+    with _FRESH:
+        if _fresh_compiles == 0:
+            _cache_was_enabled = jax.config.jax_enable_compilation_cache
+            jax.config.update("jax_enable_compilation_cache", False)
+            reset_cache()  # JAX decides once whether the cache is used; make it ask again
+        _fresh_compiles += 1
+    try:
+        yield
+    finally:
+        with _FRESH:
+            _fresh_compiles -= 1
+            if _fresh_compiles == 0:
+                jax.config.update("jax_enable_compilation_cache", _cache_was_enabled)
+                reset_cache()
 
 
 def _file_name(key: tuple) -> str:

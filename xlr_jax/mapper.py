@@ -281,9 +281,10 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
     batch_buckets = powers_of_two_upto(batch)
     chunk_buckets = powers_of_two_upto(chunk, start=16)
     page_buckets = page_width_buckets(per_context, dense=not gpu)
-    why["buckets"] = ("a step is (decode rows, chunk): decode rows 0 or a power of two up "
-                      "to max_batch, chunk 0 or a power of two from 16 to prefill_chunk, "
-                      f"{(len(batch_buckets) + 1) * (len(chunk_buckets) + 1) - 1} executables "
+    why["buckets"] = ("a step is (decode rows, chunk): decode rows alone (a power of two up "
+                      "to max_batch), a chunk alone (a power of two from 16 to "
+                      "prefill_chunk), or a chunk beside max_batch rows (the chunk dominates "
+                      f"its cost): {len(batch_buckets) + 2 * len(chunk_buckets)} executables "
                       "in all; its attention walks only the pages each row sees, "
                       f"{ATTN_BLOCK_PAGES} at a time, so the block-table width is not a shape "
                       "to compile for. Speculative cycles and scoring keep block-table widths: "

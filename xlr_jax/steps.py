@@ -8,7 +8,9 @@ chunk, their counts rounded up to the plan's buckets, so the step compiles once 
 from __future__ import annotations
 
 import bisect
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 
@@ -112,9 +114,12 @@ class Steps:
         return self._executable(key, params, kv)(params, kv, batch)
 
     def builder(self, decode_rows: int, chunk_tokens: int) -> StepBuilder:
-        """A step's builder for this many decode rows and chunk tokens, bucketed."""
-        rows = pick_bucket(decode_rows, self.buckets.batch) if decode_rows else 0
+        """A step's builder for this many decode rows and chunk tokens, bucketed. A step
+        with a chunk pads its decode rows to the largest bucket: the chunk's tokens
+        dominate its cost, and it halves the shapes to compile (see `keys`)."""
         chunk = pick_bucket(chunk_tokens, self.buckets.chunk) if chunk_tokens else 0
+        rows = 0 if not decode_rows else (
+            self.buckets.batch[-1] if chunk else pick_bucket(decode_rows, self.buckets.batch))
         return StepBuilder(rows, chunk, self.buckets.table_width, self._zero_bias(rows, chunk))
 
     def _zero_bias(self, rows: int, chunk: int) -> jax.Array:
@@ -150,23 +155,27 @@ class Steps:
         return self._all_logits(params, kv, tokens, start, num_new, block_tables)
 
     def keys(self) -> list[tuple]:
-        """Every step shape serving may run: decode rows 0 or a batch bucket, chunk 0 or a
-        chunk bucket, not both 0."""
-        return [("step", rows, chunk) for rows in (0, *self.buckets.batch)
-                for chunk in (0, *self.buckets.chunk) if rows or chunk]
+        """Every step shape serving may run (see `builder`): decode rows alone (a batch
+        bucket), a chunk alone (a chunk bucket), or a chunk beside the largest batch."""
+        b = self.buckets
+        return ([("step", rows, 0) for rows in b.batch]
+                + [("step", rows, chunk) for rows in (0, b.batch[-1]) for chunk in b.chunk])
 
     def warmup(self, params, kv, progress: bool = True) -> list[dict]:
-        """Compile every step shape (see `keys`); returns each compile's shape and seconds."""
-        report = []
-        for key in tqdm(self.keys(), desc="Compiling steps", unit="step",
-                        disable=not progress or None, leave=False):
-            if key in self._aot:
-                continue
+        """Compile every step shape (see `keys`), as many at once as there are CPU cores;
+        returns each compile's shape and seconds (each one's own wall time)."""
+        def compile_one(key):
             start = time.perf_counter()
             self._executable(key, params, kv, use=False)
-            report.append({"decode_rows": key[1], "chunk": key[2],
-                           "compile_s": time.perf_counter() - start})
-        return report
+            return {"decode_rows": key[1], "chunk": key[2],
+                    "compile_s": time.perf_counter() - start}
+
+        todo = [key for key in self.keys() if key not in self._aot]
+        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="xlr-compile") as pool:
+            jobs = [pool.submit(compile_one, key) for key in todo]
+            return [job.result() for job in tqdm(
+                as_completed(jobs), total=len(jobs), desc="Compiling steps", unit="step",
+                disable=not progress or None, leave=False)]
 
     def compilations(self) -> dict[str, int]:
         return {"step": len(self._aot), "all_logits": self._all_logits._cache_size()}
