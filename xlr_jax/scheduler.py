@@ -184,7 +184,9 @@ class Scheduler:
                                         name="xlr-scheduler", daemon=True)
         self._thread.start()
         weakref.finalize(self, _close, self._inbox)
-        _SCHEDULERS.add(self)
+        # the loop thread outlives a collected scheduler for a moment (it lets go of the
+        # engine's device arrays as it ends): exit must wait for it too, not just close it
+        _LOOPS[:] = [(t, i) for t, i in _LOOPS if t.is_alive()] + [(self._thread, self._inbox)]
         # registered now, after JAX made its backend: exit handlers run last-in first-out,
         # so the loop is stopped while the backend is still there (a thread left inside a
         # device call when the interpreter finalizes aborts the process)
@@ -383,10 +385,14 @@ def _close(inbox: _Inbox) -> None:
         inbox.cond.notify_all()
 
 
-_SCHEDULERS: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+_LOOPS: list[tuple[threading.Thread, _Inbox]] = []  # every loop thread not known ended
 
 
 def _shutdown_all() -> None:
-    """At exit: stop every model's loop and wait for it (a step ends in bounded time)."""
-    for scheduler in list(_SCHEDULERS):
-        scheduler.shutdown(timeout=120.0)
+    """At exit: stop every model's loop, its scheduler collected or not, and wait for it
+    (a step ends in bounded time). A daemon thread still inside XLA when the interpreter
+    finalizes aborts the process ("terminate called ... exception not rethrown")."""
+    for _, inbox in _LOOPS:
+        _close(inbox)
+    for thread, _ in _LOOPS:
+        thread.join(timeout=120.0)

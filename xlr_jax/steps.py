@@ -16,6 +16,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm.auto import tqdm
 
 from xlr_jax.config import ModelConfig
@@ -125,8 +126,8 @@ class Steps:
     def _zero_bias(self, rows: int, chunk: int) -> jax.Array:
         """The zeros [rows, V] of steps without logits processing, kept on the device."""
         n = StepBatch.rows_of(rows, chunk)
-        if n not in self._zeros:
-            self._zeros[n] = jnp.zeros((n, self.config.vocab_size), jnp.float32)
+        if n not in self._zeros:  # put, not jnp.zeros: a fresh process compiles nothing
+            self._zeros[n] = jax.device_put(np.zeros((n, self.config.vocab_size), np.float32))
         return self._zeros[n]
 
     def _executable(self, key: tuple, params, kv, use: bool = True) -> jax.stages.Compiled:
