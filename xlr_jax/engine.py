@@ -129,11 +129,15 @@ class _Request:
         again when it resumes."""
         return self.prompt_ids + self.generated[:-1] if self.generated else self.prompt_ids
 
-
     @property
     def decoding(self) -> bool:
         """Prefilled and holding a token to feed: the request takes decode rows now."""
-        return bool(self.generated) and self.prefilled == len(self.context_ids)
+        return bool(self.generated) and self.prefilled == self.context_len
+
+    @property
+    def context_len(self) -> int:
+        """len(context_ids), without building the list (the decode loop asks every step)."""
+        return len(self.prompt_ids) + max(len(self.generated) - 1, 0)
 
     def chunk_end(self, chunk_max: int) -> int:
         """Where the next prefill chunk ends: after `chunk_max` tokens, or at the stable
@@ -502,7 +506,7 @@ class Engine:
                         f"{self.pool.num_available} are free or evictable; lower max_tokens "
                         "or load the model with more num_pages")
                 break  # wait for running sequences to finish and free pages
-            self._apply_copies(req.seq.reserve(len(req.context_ids)))
+            self._apply_copies(req.seq.reserve(req.context_len))
             req.admitted_at = next(self._admissions)
             admitted.append(waiting.popleft())
         return admitted
@@ -511,7 +515,7 @@ class Engine:
         """The pages a request must be able to hold when it is admitted."""
         usable = self.pool.num_pages - 1
         if on_need and not req.protected:
-            return -(-(len(req.context_ids) + 1) // self.pool.page_size)
+            return -(-(req.context_len + 1) // self.pool.page_size)
         return min(req.max_pages, usable)
 
     def _owed(self, req: _Request, on_need: bool) -> int:
@@ -523,7 +527,7 @@ class Engine:
     def _room_for_a_step(self, active: list[_Request]) -> bool:
         """Whether every running request finds its next step's pages: a decode token's,
         or (forced tokens) what its context has grown to."""
-        return sum(r.seq.pages_to_reserve(max(r.seq.length + 1, len(r.context_ids)))
+        return sum(r.seq.pages_to_reserve(max(r.seq.length + 1, r.context_len))
                    for r in active) <= self.pool.num_available
 
     def force(self, req: _Request, token_ids: list[int]) -> None:
@@ -732,7 +736,7 @@ class Engine:
                          r.seq.length + 1 - len(r.prompt_ids))
             r.seq.length += 1
         if chunk is not None:  # pages reserved at admission; forced tokens grow them here
-            self._apply_copies(chunk.seq.reserve(len(chunk.context_ids)))
+            self._apply_copies(chunk.seq.reserve(chunk.context_len))
             build.prefill(part, chunk.prefilled, chunk.seq.block_table(width), chunk.params, 0)
             if chunk.step_bias is not None:
                 build.bias(build.batch.decode_rows, chunk.step_bias)
