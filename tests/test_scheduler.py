@@ -79,6 +79,32 @@ def test_a_newcomer_joins_a_running_stream(model):
     assert stream.result().finish_reason == "length"
 
 
+def test_speculation_runs_beside_other_requests(model):
+    """While a long SMC request runs, a plain request, a second SMC request and an
+    exact-speculation one submitted after it all end before it does (one loop runs every
+    kind, several SMC requests at once), and each output equals its solo run."""
+    first = dict(prompt=PROMPTS[0], max_tokens=64, ignore_eos=True, temperature=0.8, seed=1,
+                 speculative=SMC)
+    others = [dict(prompt=PROMPTS[1], max_tokens=6, ignore_eos=True),
+              dict(prompt=PROMPTS[2], max_tokens=6, ignore_eos=True, temperature=0.8, seed=2,
+                   speculative=SMC),
+              dict(prompt=PROMPTS[3], max_tokens=6, ignore_eos=True, speculative=SELF_DRAFT)]
+    solo = [_generate(model, r).token_ids for r in [first, *others]]
+    args = dict(first)
+    running = model.submit(args.pop("prompt"), **args)
+    deadline = time.monotonic() + 60
+    while model.stats()["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # admitted: the loop is busy with it
+    handles = []
+    for r in others:
+        args = dict(r)
+        handles.append(model.submit(args.pop("prompt"), **args))
+    got = [h.result().token_ids for h in handles]
+    assert not running.done, "a request waited for the running SMC request to end"
+    assert [running.result().token_ids, *got] == solo
+    _idle(model)
+
+
 def _stream_with_a_long_newcomer(model, word: str) -> tuple[list[float], float, float]:
     """Stream 48 tokens; after the 5th, submit a 2,000-token prompt (made of `word`s).
     Returns the stream's token times, when the newcomer was submitted and when its first

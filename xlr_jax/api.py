@@ -23,7 +23,6 @@ from xlr_jax.prefix_cache import TIERS
 from xlr_jax.registry import default_cache_dir, resolve_model
 from xlr_jax.sampling import SamplingParams
 from xlr_jax.scheduler import RequestHandle, Scheduler
-from xlr_jax.spec_runner import check_request
 from xlr_jax.speculative import Draft, ModelDraft, SpecConfig, resolve_draft
 from xlr_jax.tier_store import TierStore
 from xlr_jax.weights import ModelSource, load_weights, open_source
@@ -364,15 +363,13 @@ class Model:
 
     def _submit(self, encoded, params: SamplingParams, speculative,
                 aio_loop=None) -> list[RequestHandle]:
-        """Queue encoded prompts as requests of one speculative kind; refusals raise here,
-        in the caller's thread."""
+        """Queue encoded prompts as requests, speculating as `speculative` says; refusals
+        raise here, in the caller's thread."""
         spec, draft = self._speculation(speculative)
-        if spec is not None:
-            check_request(spec, params)
         requests = [self.engine.request(self._scheduler.new_id(), ids, params, tiers,
-                                        worst_case=spec is not None)
+                                        spec, draft)
                     for ids, tiers in encoded]
-        return self._scheduler.submit(requests, spec, draft, aio_loop)
+        return self._scheduler.submit(requests, aio_loop)
 
     @property
     def prefix_cache(self):

@@ -1,12 +1,14 @@
 """The host-side engine: requests, continuous batching, stop rules, metrics.
 
 Host state (page pool, block tables, queues) lives here in plain Python; the
-device sees only the jitted steps of `xlr_jax.steps`. A call to `generate`
-admits up to `max_batch` sequences at once, prefills newcomers together in
-chunks, then decodes all active sequences one token per step; a finished
-sequence frees its pages and makes room for the next waiting prompt.
+device sees only the jitted steps of `xlr_jax.steps`. One loop (`serve`) runs
+every request: each step carries a token of every running plain request and a
+prefill chunk of the oldest one still prefilling; between steps, requests join
+and leave, and speculating requests run their cycles (`spec_runner`). Plain
+requests take pages as they grow, and the newest is preempted when the pool
+runs short; speculating ones are budgeted their worst case up front.
 
-Decode runs one step ahead: while step n executes, step n+1 is already
+Decode-only steps run one step ahead: while step n executes, step n+1 is already
 dispatched on step n's tokens (still on the device), so the host's bookkeeping
 and dispatch stay off the critical path (+3-4% tokens/s on the CPU, measured).
 A row that finishes meanwhile only wastes its slot in that one step.
@@ -36,7 +38,7 @@ from xlr_jax.paged_kv import (PagedKV, PagePool, SequencePages, copy_pages, leav
 from xlr_jax.prefix_cache import PrefixCache, tier_counts
 from xlr_jax.tier_store import TierStore
 from xlr_jax.sampling import SamplingBatch, SamplingParams, sampler_for
-from xlr_jax.spec_runner import SpecRunner
+from xlr_jax.spec_runner import SpecRunner, check_request, start_metrics
 from xlr_jax.speculative import Draft, SpecConfig, SpecSteps
 from xlr_jax.steps import Buckets, Steps, pick_bucket
 from xlr_jax.tokenizer import Tokenizer
@@ -87,14 +89,20 @@ class _StopText:
 class _Request:
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams,
                  pool: PagePool, tokenizer: Tokenizer | None, max_context: int, start: float,
-                 tiers: tuple[int, int] = (0, 0)):
+                 tiers: tuple[int, int] = (0, 0), spec: SpecConfig | None = None,
+                 draft: Draft | None = None):
         self.index = index
         self.prompt_ids = prompt_ids
         # tier boundaries: [0, stable) stable, [stable, context) context, the rest volatile
         self.stable_end, self.context_end = tiers
         self.cached_tokens = 0
         self.cache_metrics: dict = {}
-        self.spec_metrics: dict = {}
+        # speculative decoding: its configuration and resolved draft (None: plain), an
+        # SMC request's population while it runs, a draft model's KV written yet
+        self.spec, self.draft = spec, draft
+        self.spec_metrics: dict = start_metrics(spec) if spec else {}
+        self.smc = None
+        self.draft_prefilled = False
         self.pending = ""  # an SMC particle's text, released when it is chosen
         self.particles: list[dict] | None = None  # an SMC answer's final population
         self.params = params
@@ -155,6 +163,7 @@ class _Request:
         twin.decoder = self.decoder.fork() if self.decoder else None
         twin.stop_text = copy.copy(self.stop_text)
         twin.spec_metrics = dict(self.spec_metrics)
+        twin.smc = None  # a particle of the population, not one
         return twin
 
     def accept(self, token: int, now: float, logprobs=None) -> str:
@@ -275,6 +284,7 @@ class Engine:
         self.particle_cap = particle_cap  # SMC particles at most (the plan's policy)
         self.draft_kvs: dict[str, PagedKV] = {}  # separate draft models' KV, by name
         self.draft_steps: dict[str, Steps] = {}
+        self._spec_runner = SpecRunner(self)
         self._lock = threading.RLock()  # one driver at a time; logits may run inside serve
         self._admissions = itertools.count(1)
         self.preemptions = 0
@@ -340,18 +350,22 @@ class Engine:
     # ------------------------------------------------------------ running
 
     def request(self, index: int, ids: list[int], params: SamplingParams,
-                tiers: tuple[int, int] = (0, 0), worst_case: bool = False) -> "_Request":
+                tiers: tuple[int, int] = (0, 0), spec: SpecConfig | None = None,
+                draft: Draft | None = None) -> "_Request":
         """A request ready to queue; refused now if it can never fit the pool: its prompt
-        and first token, or with `worst_case` (speculative decoding, which reserves
-        every page up front) its prompt plus max_tokens."""
+        and first token, or with `spec` (speculative decoding with its resolved `draft`,
+        which is budgeted every page up front) its prompt plus max_tokens; or if `spec`
+        cannot serve its sampling settings."""
+        if spec is not None:
+            check_request(spec, params)
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise InvalidRequestError(f"stop token id {bad[0]} is outside the vocabulary "
                                       f"[0, {self.config.vocab_size})")
         r = _Request(index, ids, params, self.pool, self.tokenizer, self.max_context,
-                     time.perf_counter(), tiers)
+                     time.perf_counter(), tiers, spec, draft)
         usable = self.pool.num_pages - 1
-        if worst_case and r.max_pages > usable:
+        if spec is not None and r.max_pages > usable:
             raise PromptTooLongError(
                 f"{len(r.prompt_ids)} prompt tokens plus up to {r.limit} new ones need "
                 f"{r.max_pages} KV pages but the pool has {usable}; lower max_tokens "
@@ -374,28 +388,24 @@ class Engine:
         """
         tiers = tiers or [(0, 0)] * len(prompts)
         # refused before any work starts: nothing else is lost
-        waiting = deque(self.request(i, ids, p, t, worst_case=spec is not None)
+        waiting = deque(self.request(i, ids, p, t, spec, draft)
                         for i, (ids, p, t) in enumerate(zip(prompts, params, tiers)))
-        yield from self.serve(waiting, spec, draft)
+        yield from self.serve(waiting)
 
-    def serve(self, waiting: deque, spec: SpecConfig | None = None, draft: Draft | None = None,
-              poll=None) -> Iterator[tuple[int, str, GenerationResult | None]]:
-        """Run the requests of `waiting` until none is left, like `run`. `poll(waiting,
-        active)` is called before every step: it may queue more requests (of the same
-        `spec`) on `waiting` (None: nothing may join now) and end requests of either
-        with `_Request.abort` (the loop drops them and gives their pages back)."""
+    def serve(self, waiting: deque, poll=None
+              ) -> Iterator[tuple[int, str, GenerationResult | None]]:
+        """Run the requests of `waiting` (plain and speculating alike) until none is left,
+        like `run`. `poll(waiting, active)` is called before every step: it may queue
+        more requests on `waiting` and end requests of either with `_Request.abort`
+        (the loop drops them and gives their pages back)."""
         poll = poll or (lambda waiting, active: None)
         with self._lock:
             active: list[_Request] = []  # updated in place: the cleanup below sees it
             try:
-                if spec is None:
-                    yield from self._decode_loop(waiting, active, poll)
-                else:
-                    yield from SpecRunner(self, spec, draft).loop(waiting, active, poll)
+                yield from self._loop(waiting, active, poll)
             finally:  # also when the caller abandons a stream: give every page back
                 for r in list(waiting) + active:
-                    if r.seq.pages:
-                        r.seq.release()
+                    self.release(r)
 
     def count_speculation(self, draft_tokens: int, accepted_tokens: int) -> None:
         """Add one speculative target pass of a row to the engine's totals."""
@@ -425,18 +435,33 @@ class Engine:
         outside the loop (aborted; release is a no-op for the others)."""
         for r in active:
             if r.finish_reason is not None:
-                r.seq.release()
+                self.release(r)
         active[:] = [r for r in active if r.finish_reason is None]
 
-    def _decode_loop(self, waiting: deque, active: list[_Request], poll):
-        """Plain decoding: every step carries one token of each running request and a
-        chunk of the oldest one still prefilling; requests join and leave between steps."""
+    @staticmethod
+    def release(r: _Request) -> None:
+        """Give back every page a request holds: its own, or its SMC particles'."""
+        r.seq.release()
+        if r.smc is not None:
+            r.smc.release()
+
+    @staticmethod
+    def _holders(active: list[_Request]) -> list[SequencePages]:
+        """Every sequence holding pages for `active` (an SMC request's are its particles)."""
+        return [s for r in active for s in
+                ([p.seq for p in r.smc.particles] if r.smc is not None else [r.seq])]
+
+    def _loop(self, waiting: deque, active: list[_Request], poll):
+        """Every step carries one token of each running plain request and a chunk of the
+        oldest request still prefilling (plain or speculating); between steps, every
+        speculating request that has its first token runs one cycle (`SpecRunner.run`).
+        Requests of every kind join and leave between steps."""
         inflight: _Step | None = None  # dispatched, its tokens not read back yet
         while True:
             poll(waiting, active)
             self.drop_ended(active)  # finished in the last step, or aborted by poll
             if self.debug_checks:
-                self.pool.check([r.seq for r in active])
+                self.pool.check(self._holders(active))
             if not (waiting or active or inflight):
                 return
             joinable = bool(waiting) and len(active) < self.max_batch
@@ -446,35 +471,26 @@ class Engine:
                     and self._room_for_a_step(active)):
                 # decode only: dispatch the next step on the device tokens before reading
                 # them back, so host work and dispatch overlap the step in flight
-                ahead = self._dispatch(list(active), feed=inflight.tokens)
-                yield from self._finish_done(*self._accept(inflight))
+                ahead = self.dispatch(list(active), feed=inflight.tokens)
+                yield from self.finished(*self._accept(inflight))
                 inflight = ahead
-            else:
-                if inflight:
-                    yield from self._finish_done(*self._accept(inflight))
-                    inflight = None
-                yield from self._append_forced(active)
-                active += self._admit(waiting, active, self.max_batch, on_need=True)
-                yield from self._make_room(waiting, active)
-                yield from self._process_logits(active)
-                running = [r for r in active if r.finish_reason is None]
-                if running:
-                    decoding = [r for r in running if r.decoding]
-                    chunk = next((r for r in running if not r.decoding), None)
-                    inflight = self._dispatch(decoding, chunk)
-
-    def _admit_and_prefill(self, waiting: deque, active: list[_Request],
-                           max_requests: int | None = None, after_prefill=None):
-        """Admit what fits for its worst case (the speculative loops), prefill it, and add
-        the ones still going to `active`. `after_prefill(admitted)` runs before any
-        finished request gives its pages back."""
-        admitted = self._admit(waiting, active, max_requests or self.max_batch)
-        if admitted:
-            pieces = self._prefill(admitted)
-            if after_prefill:
-                after_prefill(admitted)
-            yield from self._finish_done(admitted, pieces)
-            active += [r for r in admitted if r.finish_reason is None]
+                continue
+            if inflight:
+                yield from self.finished(*self._accept(inflight))
+                inflight = None
+            yield from self._append_forced(active)
+            active += self._admit(waiting, active)
+            yield from self._make_room(waiting, active)
+            yield from self._process_logits(active)
+            running = [r for r in active if r.finish_reason is None]
+            plain = [r for r in running if r.decoding and r.spec is None]
+            speculating = [r for r in running if r.decoding and r.spec is not None]
+            chunk = next((r for r in running if not r.decoding), None)
+            if plain or chunk:
+                inflight = self.dispatch(plain, chunk)
+            if speculating:  # after the plain step: the cycles read its KV
+                promised = sum(self.owed_pages(r) for r in running)
+                yield from self._spec_runner.run(speculating, promised)
 
     @staticmethod
     def _can_run_ahead(active: list[_Request]) -> bool:
@@ -482,53 +498,63 @@ class Engine:
         flight only wastes one row of one step; pages are budgeted at admission)."""
         return all(len(r.generated) + 2 <= r.limit for r in active)
 
-    def _admit(self, waiting: deque, active: list, max_requests: int,
-               on_need: bool = False) -> list[_Request]:
+    def _admit(self, waiting: deque, active: list) -> list[_Request]:
         """Admit waiting requests, in order, while they fit beside the running ones.
 
-        Worst case (speculative loops): a request is budgeted its prompt plus
-        max_tokens up front, so it never runs out of pages. On need (the decode loop):
-        its prompt plus one token's page, beside one page for each running request's
-        next token; requests then grow as they decode and `_make_room` preempts when
-        the pool runs short. Either way, what running requests are owed is taken,
-        pinned or restored by no newcomer: one that does not fit waits.
+        Worst case (speculating requests, and plain ones preempted too often): a
+        request is budgeted its prompt plus max_tokens up front, so it never runs out
+        of pages. On need (plain requests): its prompt plus one token's page, beside
+        one page for each running request's next token; requests then grow as they
+        decode and `_make_room` preempts when the pool runs short. Either way, what
+        running requests are owed is taken, pinned or restored by no newcomer: one
+        that does not fit waits.
         """
         admitted: list[_Request] = []
-        while waiting and len(active) + len(admitted) < max_requests:
+        while waiting and len(active) + len(admitted) < self.max_batch:
             req = waiting[0]
-            owed = sum(self._owed(r, on_need) for r in active + admitted)
-            if not self._take_cached_prefix(req, owed, self._need(req, on_need)):
+            owed = sum(self.owed_pages(r) for r in active + admitted)
+            if not self._take_cached_prefix(req, owed, self._need(req)):
                 if not active and not admitted:  # nothing running will free a page
                     if self.prefix_cache and self.prefix_cache.unpin_lru():
                         continue  # its pages are evictable now: try again
                     raise OutOfPagesError(
-                        f"a request needs {self._need(req, on_need)} KV pages but only "
+                        f"a request needs {self._need(req)} KV pages but only "
                         f"{self.pool.num_available} are free or evictable; lower max_tokens "
                         "or load the model with more num_pages")
                 break  # wait for running sequences to finish and free pages
-            self._apply_copies(req.seq.reserve(req.context_len))
+            self.apply_copies(req.seq.reserve(req.context_len))
             req.admitted_at = next(self._admissions)
             admitted.append(waiting.popleft())
         return admitted
 
-    def _need(self, req: _Request, on_need: bool) -> int:
+    @staticmethod
+    def _on_need(req: _Request) -> bool:
+        """Whether the request grows its pages as it decodes (see `_admit`)."""
+        return req.spec is None and not req.protected
+
+    def _need(self, req: _Request) -> int:
         """The pages a request must be able to hold when it is admitted."""
         usable = self.pool.num_pages - 1
-        if on_need and not req.protected:
+        if self._on_need(req):
             return -(-(req.context_len + 1) // self.pool.page_size)
         return min(req.max_pages, usable)
 
-    def _owed(self, req: _Request, on_need: bool) -> int:
-        """Pages a running request may still take that no newcomer may use."""
-        if on_need and not req.protected:
+    def owed_pages(self, req: _Request) -> int:
+        """Pages a running request may still take that no newcomer may use (an SMC
+        request: what one particle needs to finish)."""
+        if self._on_need(req):
             return 1  # its next token's page
-        return max(0, min(req.max_pages, self.pool.num_pages - 1) - len(req.seq.pages))
+        held = len(req.seq.pages) if req.smc is None else req.smc.most_pages()
+        return max(0, min(req.max_pages, self.pool.num_pages - 1) - held)
 
     def _room_for_a_step(self, active: list[_Request]) -> bool:
-        """Whether every running request finds its next step's pages: a decode token's,
-        or (forced tokens) what its context has grown to."""
-        return sum(r.seq.pages_to_reserve(max(r.seq.length + 1, r.context_len))
-                   for r in active) <= self.pool.num_available
+        """Whether every running plain request finds its next step's pages (a decode
+        token's, or, with forced tokens, what its context has grown to) beside what the
+        speculating ones are owed."""
+        need = sum(r.seq.pages_to_reserve(max(r.seq.length + 1, r.context_len))
+                   for r in active if r.spec is None)
+        owed = sum(self.owed_pages(r) for r in active if r.spec is not None)
+        return need <= self.pool.num_available - owed
 
     def force(self, req: _Request, token_ids: list[int]) -> None:
         """Queue tokens to append to a plain request's output at the next step boundary,
@@ -559,7 +585,7 @@ class Engine:
                 r.step_bias = bias
             except Exception as e:  # noqa: BLE001 - the caller's code fails its request only
                 r.error = f"logits_processor failed: {e}"
-                yield from self._finish_done([r], [r.end("abort")])
+                yield from self.finished([r], [r.end("abort")])
 
     def _append_forced(self, active: list[_Request]):
         """Accept each running request's forced tokens (stop rules apply to them)."""
@@ -571,23 +597,28 @@ class Engine:
                     piece += r.accept(t, now)
                     if r.finish_reason is not None:
                         break
-                yield from self._finish_done([r], [piece])
+                yield from self.finished([r], [piece])
 
     def _make_room(self, waiting: deque, active: list[_Request]):
         """Before a decode step, find every running request the page its next token
-        needs. While the pool is short: first pinned stable tiers are unpinned, least
-        recently used first (their idle pages become evictable); then the most recently
-        admitted request that is not protected is preempted: it gives its pages back
-        (its prompt's stay cached) and waits at the head of the queue, to resume by
-        prefilling what it had. A request nothing can make room for ends at "length"."""
+        needs. (SMC populations leave these pages alone: their size follows the pages
+        nobody else is promised, at every cycle.) While the pool is short: first pinned
+        stable tiers are unpinned, least recently used first (their idle pages become
+        evictable); then the most recently admitted plain request that is not protected
+        is preempted: it gives its pages back (its prompt's stay cached) and waits at the
+        head of the queue, to resume by prefilling what it had. A request nothing can
+        make room for ends at "length"."""
         while active and not self._room_for_a_step(active):
             if self.prefix_cache and self.prefix_cache.unpin_lru():
                 continue  # first, pinned tiers become evictable, least recently used first
-            victims = [r for r in active if not r.protected] if len(active) > 1 else []
+            plain = [r for r in active if r.spec is None]  # the others hold their worst case
+            if not plain:
+                break
+            victims = [r for r in plain if not r.protected] if len(active) > 1 else []
             if not victims:
-                last = max(active, key=lambda r: r.admitted_at)
+                last = max(plain, key=lambda r: r.admitted_at)
                 active.remove(last)
-                yield from self._finish_done([last], [last.end("length")])
+                yield from self.finished([last], [last.end("length")])
                 continue
             victim = max(victims, key=lambda r: r.admitted_at)
             active.remove(victim)
@@ -597,7 +628,7 @@ class Engine:
             self.preemptions += 1
             waiting.appendleft(victim)
 
-    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+    def apply_copies(self, copies: list[tuple[int, int]]) -> None:
         """Run the copy-on-write page copies `SequencePages.reserve` asked for."""
         if copies:
             src, dst = (jnp.array(ids) for ids in zip(*copies))
@@ -677,7 +708,7 @@ class Engine:
         if self.pool.num_free < self.pool.num_pages // 4:  # tight: keep volatile pages out
             cache.forget(req.seq.pages[max(req.context_end, req.stable_end) // ps + 1:])
 
-    def _finish_done(self, reqs, pieces):
+    def finished(self, reqs, pieces):
         for r, piece in zip(reqs, pieces):
             if r.finish_reason is not None:
                 self._publish(r, finished=True)
@@ -686,26 +717,16 @@ class Engine:
             elif piece:
                 yield r.index, piece, None
 
-    def _sampling(self, reqs, rows, steps):
+    def sampling(self, reqs, rows, steps):
         params = [r.params for r in reqs]
         return SamplingBatch.build(params, steps, rows), sampler_for(params)
 
-    def _block_tables(self, reqs, rows):
+    def block_tables(self, reqs, rows):
         width = pick_bucket(max(len(r.seq.pages) for r in reqs), self.buckets.pages)
         tables = np.zeros((rows, width), np.int32)
         for i, r in enumerate(reqs):
             tables[i] = r.seq.block_table(width)
         return tables
-
-    def _prefill(self, reqs: list[_Request]) -> list[str]:
-        """Prefill admitted prompts, chunk by chunk, each in steps of its own; sample each
-        one's first token. Returns the text each made visible."""
-        pieces = [""] * len(reqs)
-        for i, r in enumerate(reqs):
-            while not r.decoding and r.finish_reason is None:
-                _, text = self._accept(self._dispatch([], r))
-                pieces[i] += "".join(text)  # the last chunk's first token, if any
-        return pieces
 
     def _count(self, req: _Request) -> None:
         bounds = (req.stable_end, max(req.context_end, req.stable_end), len(req.prompt_ids))
@@ -713,7 +734,7 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.record(req.cache_metrics)
 
-    def _dispatch(self, decoding: list[_Request], chunk: _Request | None = None,
+    def dispatch(self, decoding: list[_Request], chunk: _Request | None = None,
                   feed=None) -> "_Step":
         """Launch one step: a token for each request of `decoding` and the next chunk of
         `chunk`'s prompt; returns it with its device tokens unread.
@@ -728,7 +749,7 @@ class Engine:
         build = self.steps.builder(len(decoding), len(part))
         width = self.steps.buckets.table_width
         for r in decoding:
-            self._apply_copies(r.seq.reserve(r.seq.length + 1))
+            self.apply_copies(r.seq.reserve(r.seq.length + 1))
             # the token drawn after position p is the (p + 1 - prompt)-th of its sequence
             if r.step_bias is not None:
                 build.bias(build.decoded, r.step_bias)
@@ -736,7 +757,7 @@ class Engine:
                          r.seq.length + 1 - len(r.prompt_ids))
             r.seq.length += 1
         if chunk is not None:  # pages reserved at admission; forced tokens grow them here
-            self._apply_copies(chunk.seq.reserve(chunk.context_len))
+            self.apply_copies(chunk.seq.reserve(chunk.context_len))
             build.prefill(part, chunk.prefilled, chunk.seq.block_table(width), chunk.params, 0)
             if chunk.step_bias is not None:
                 build.bias(build.batch.decode_rows, chunk.step_bias)

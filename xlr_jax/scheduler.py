@@ -7,10 +7,8 @@ waiting for it to end, and hands each request's text, token ids and result to
 its `RequestHandle` as they come. Nothing holds a lock across a yield to the
 caller: a handle's consumer only reads a queue.
 
-Requests of one kind run in one engine loop: plain decoding, or one
-speculative configuration. The inbox is served in order: while its head is of
-another kind, no newcomer joins the running loop; when that loop drains, the
-head's kind runs next.
+Every request, plain or speculating, joins the one engine loop (`Engine.serve`)
+between its steps, in the order it was submitted.
 
 The thread holds only a weak reference to the scheduler while idle, so a model
 nobody references is collected (its thread then exits); `shutdown()` and
@@ -149,11 +147,8 @@ class RequestHandle:
 
 @dataclass
 class _Submission:
-    """A request waiting in the inbox: the engine's request, how it decodes (its
-    SpecConfig, None for plain decoding: one engine loop serves one), its channel."""
+    """A request waiting in the inbox: the engine's request and its channel."""
     request: Any                     # engine._Request
-    spec: Any
-    draft: Any
     channel: _Channel
     sent: int = 0                    # token ids already passed to the channel
     started: bool = False            # admitted to a running batch (no longer waiting)
@@ -196,10 +191,10 @@ class Scheduler:
     def new_id(self) -> int:
         return next(self._ids)
 
-    def submit(self, requests: list, spec=None, draft=None,
-               aio_loop: asyncio.AbstractEventLoop | None = None) -> list[RequestHandle]:
+    def submit(self, requests: list, aio_loop: asyncio.AbstractEventLoop | None = None
+               ) -> list[RequestHandle]:
         """Queue engine requests (all or none: past max_waiting, QueueFullError)."""
-        subs = [_Submission(r, spec, draft, _Channel(aio_loop)) for r in requests]
+        subs = [_Submission(r, _Channel(aio_loop)) for r in requests]
         with self._inbox.cond:
             if self._inbox.closed:
                 raise XlrError("the model was shut down; load it again to generate")
@@ -225,7 +220,7 @@ class Scheduler:
             if sub is None or sub.request.finish_reason is not None:
                 raise InvalidRequestError(f"request {request_id} is not running (it ended, "
                                           "or has not started); nothing to force")
-            if sub.spec is not None:
+            if sub.request.spec is not None:
                 raise InvalidRequestError("forced tokens are not supported under "
                                           "speculative decoding")
             self.engine.force(sub.request, token_ids)
@@ -260,23 +255,21 @@ class Scheduler:
     # ------------------------------------------------------------ the loop thread
 
     def _run_next(self) -> None:
-        """Run the inbox head's kind in one engine loop until it drains."""
+        """Run the engine loop until it drains."""
         with self._inbox.cond:
             if not self._inbox.queue:
                 return
-            spec, draft = self._inbox.queue[0].spec, self._inbox.queue[0].draft
         waiting: deque = deque()
-        self._poll(waiting, [], spec)
+        self._poll(waiting, [])
         try:
-            for index, piece, result in self.engine.serve(
-                    waiting, spec, draft, lambda w, a: self._poll(w, a, spec)):
+            for index, piece, result in self.engine.serve(waiting, self._poll):
                 self._deliver(index, piece, result)
         except Exception as error:  # noqa: BLE001 - it goes to the requests it ended
             self._fail_running(waiting, error)
 
-    def _poll(self, waiting: deque | None, active: list, spec) -> None:
-        """Between steps: move newcomers decoded like this loop (`spec`) to its waiting
-        queue, end cancelled requests (all of them when closing), then run queued calls.
+    def _poll(self, waiting: deque | None, active: list) -> None:
+        """Between steps: move newcomers to the loop's waiting queue, end cancelled
+        requests (all of them when closing), then run queued calls.
         With nothing of that to do it only takes the lock once (it runs every step)."""
         inbox = self._inbox
         with inbox.cond:
@@ -287,8 +280,7 @@ class Scheduler:
                 else []
             for sub in dropped:
                 inbox.queue.remove(sub)
-            while (waiting is not None and not closed and inbox.queue
-                   and inbox.queue[0].spec == spec):
+            while waiting is not None and not closed and inbox.queue:
                 sub = inbox.queue.popleft()
                 self._live[sub.request.index] = sub
                 waiting.append(sub.request)
@@ -303,7 +295,7 @@ class Scheduler:
             for r in [*(waiting or ()), *active]:
                 if (closed or r.index in cancelled) and r.finish_reason is None:
                     result = r.abort()
-                    r.seq.release()  # now: a call queued after the cancel sees it
+                    self.engine.release(r)  # now: a call queued after the cancel sees it
                     self._deliver(r.index, "", result)
             if waiting:
                 waiting_now = [r for r in waiting if r.finish_reason is None]
@@ -374,7 +366,7 @@ def _serve(inbox: _Inbox, scheduler_ref) -> None:
         if inbox.closed:
             scheduler._abort_queued()
             return
-        scheduler._poll(None, [], None)  # calls and cancellations made while idle
+        scheduler._poll(None, [])  # calls and cancellations made while idle
         scheduler._run_next()
         del scheduler
 

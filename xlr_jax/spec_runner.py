@@ -1,18 +1,21 @@
 """The host side of speculative decoding: page bookkeeping around `SpecSteps.cycle`.
 
-Exact speculation runs every active request as one row of a batched cycle and
-streams what each cycle accepts. SMC-SD takes one request at a time: its
-particles are the rows. They start as forks of the prefilled request (sharing
-its pages). Before each cycle their number N follows free pages, both ways: it
-shrinks by resampling (re-pointing block tables: forks of the ancestors; a
-shared partial last page is copied on its next write) and grows by splitting
-particles, each copy taking its share of the weight. An ESS below the threshold
-resamples too. With one particle a cycle is exact speculation. SMC starts after
-a probation of exact cycles that measure the draft's agreement with the target
-(`SmcWatch`); a draft that agrees too little (mean sum_v min(p, q) under
-`SpecConfig.min_agreement`) keeps the request on exact speculation, and the
-metrics say why. The answer is one particle drawn by weight; its text is
-released when the request ends.
+Speculating requests live in the engine's one loop beside plain ones (see
+`Engine.serve`): they prefill in its ragged steps and sample their first token
+there; then, between plain steps, `SpecRunner.run` gives each of them one cycle.
+Exact-speculation requests with the same configuration are the rows of one batched
+cycle. Each SMC request runs one cycle of its own particles (`SmcRun`); several run
+at once, cycle by cycle. The particles start as forks of the prefilled request
+(sharing its pages). Before each cycle their number N follows the pages nobody else
+is promised, both ways: it shrinks by resampling (re-pointing block tables: forks of
+the ancestors; a shared partial last page is copied on its next write) and grows by
+splitting particles, each copy taking its share of the weight. An ESS below the
+threshold resamples too. With one particle a cycle is exact speculation. SMC starts
+after a probation of exact cycles that measure the draft's agreement with the
+target (`SmcWatch`); a draft that agrees too little (mean sum_v min(p, q) under
+`SpecConfig.min_agreement`) keeps the request on exact speculation, and the metrics
+say why. The answer is one particle drawn by weight; its text is released when the
+request ends.
 
 Before a cycle every row reserves pages for all gamma + 1 positions it may
 write; afterwards `SequencePages.trim` gives back what the rejected tokens
@@ -31,58 +34,56 @@ from xlr_jax.mapper import particles_for, powers_of_two_upto
 from xlr_jax.paged_kv import PagedKV
 from xlr_jax.smc import (block_increment, draw_keys, ess, log_mean_weight, pick_answer,
                          resample, split)
-from xlr_jax.speculative import Draft, ModelDraft, SpecConfig
+from xlr_jax.speculative import ModelDraft, SpecConfig
 from xlr_jax.steps import Steps, pick_bucket
 
 SMC_PROBATION = 4      # exact cycles that measure the draft's agreement before SMC starts
 
 
+def start_metrics(spec: SpecConfig) -> dict:
+    """A speculating request's metrics before its first cycle."""
+    metrics = {"target_passes": 0, "draft_tokens": 0, "accepted_tokens": 0,
+               "accepted_per_pass": 0.0, "acceptance_rate": 0.0}
+    if spec.method == "smc":  # also for a request that ends at its first token
+        metrics.update(SmcWatch(spec.min_agreement).metrics())
+    return metrics
+
+
 class SpecRunner:
-    """Runs one `Engine.run` call's requests with speculative decoding."""
+    """Runs the cycles of an engine's speculating requests, through the engine's public
+    step, page and delivery methods."""
 
-    def __init__(self, engine, spec: SpecConfig, draft: Draft):
-        self.engine, self.spec, self.draft = engine, spec, draft
-        if isinstance(draft, ModelDraft) and draft.name not in engine.draft_kvs:
-            c, kv = draft.config, engine.kv
-            engine.draft_kvs[draft.name] = PagedKV.create(
-                num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                num_pages=engine.pool.num_pages, page_size=engine.pool.page_size,
-                dtype=kv.k.dtype)
-            engine.draft_steps[draft.name] = Steps(c, engine.buckets, engine.steps.attn_impl,
-                                                  engine.steps.compiler_options)
+    def __init__(self, engine):
+        self.engine = engine
 
-    def loop(self, waiting, active, poll):
-        e, smc = self.engine, self.spec.method == "smc"
-        while True:
-            poll(waiting, active)
-            e.drop_ended(active)
-            if not (waiting or active):
-                return
-            for r in waiting:
-                if not r.spec_metrics:  # new in this loop
-                    self.prepare(r)
-            yield from e._admit_and_prefill(waiting, active, 1 if smc else None,
-                                            after_prefill=self._draft_prefill)
-            if active:
-                yield from (self._smc(active[0], poll) if smc else self._exact(active))
-
-    def prepare(self, r) -> None:
-        """Check a request against the method (refusals raise) and start its metrics."""
-        check_request(self.spec, r.params)
-        r.spec_metrics = {"target_passes": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                          "accepted_per_pass": 0.0, "acceptance_rate": 0.0}
-        if self.spec.method == "smc":  # also for a request that ends at its first token
-            r.spec_metrics.update(SmcWatch(self.spec.min_agreement).metrics())
+    def run(self, reqs, promised: int):
+        """One cycle for each of `reqs` (decoding, speculating, running): exact ones of
+        one configuration batched, each SMC request its own. `promised`: pages the other
+        running requests may still take (SMC particles leave them alone). Yields the
+        engine's (index, piece, result) events."""
+        exact, smc = [], []
+        for r in reqs:
+            self._draft_prefill(r)
+            (smc if r.spec.method == "smc" else exact).append(r)
+        while exact:  # one batched cycle per (configuration, draft)
+            group = [r for r in exact if (r.spec, r.draft) == (exact[0].spec, exact[0].draft)]
+            exact = [r for r in exact if r not in group]
+            yield from self._exact(group)
+        for r in smc:
+            if r.smc is None:  # its first cycle
+                r.smc = SmcRun(r)
+            others = promised - self.engine.owed_pages(r)
+            yield from r.smc.cycle(self, others)
 
     # ------------------------------------------------------------ one cycle
 
-    def _cycle(self, rows, method: str, salts=None) -> "_Cycle":
-        """Run one cycle over `rows` (requests or particles)."""
-        e, spec = self.engine, self.spec
+    def cycle(self, rows, method: str, salts=None) -> "_Cycle":
+        """Run one cycle over `rows` (requests, or one request's particles)."""
+        e, spec, draft = self.engine, rows[0].spec, rows[0].draft
         budgets = [min(spec.gamma, r.limit - len(r.generated) - 1) for r in rows]  # max_tokens
         guesses = None
-        if self.draft.kind == "tokens":
-            guesses = [self.draft.propose(r.prompt_ids + r.generated, b)
+        if draft.kind == "tokens":
+            guesses = [draft.propose(r.prompt_ids + r.generated, b)
                        for r, b in zip(rows, budgets)]
             budgets = [len(g) for g in guesses]
             if not any(budgets) and salts is None:  # nothing to verify: a plain decode
@@ -100,14 +101,14 @@ class SpecRunner:
             if guesses:
                 proposed[j, :budgets[j]] = guesses[j]
             num_draft[j] = budgets[j]
-            e._apply_copies(r.seq.reserve(r.seq.length + budgets[j] + 1))
+            e.apply_copies(r.seq.reserve(r.seq.length + budgets[j] + 1))
             positions[j], last[j] = r.seq.length, r.generated[-1]
             salt[j] = salts[j] if salts else 0
-        sampling, sampler = e._sampling(rows, n, [len(r.generated) for r in rows])
-        name = self.draft.name if isinstance(self.draft, ModelDraft) else None
+        sampling, sampler = e.sampling(rows, n, [len(r.generated) for r in rows])
+        name = draft.name if isinstance(draft, ModelDraft) else None
         accepted, nxt, drafts, log_p, log_q, agreement, e.kv, draft_kv = e.spec_steps.cycle(
-            e.params, e.kv, self.draft, e.draft_kvs.get(name), last, positions, proposed,
-            num_draft, e._block_tables(rows, n), sampling, salt, gamma=gamma, method=method,
+            e.params, e.kv, draft, e.draft_kvs.get(name), last, positions, proposed,
+            num_draft, e.block_tables(rows, n), sampling, salt, gamma=gamma, method=method,
             sampler=sampler)
         if name:
             e.draft_kvs[name] = draft_kv
@@ -127,130 +128,158 @@ class SpecRunner:
                       np.asarray(log_q)[:rows_n], np.asarray(agreement)[:rows_n])
 
     def _decode(self, rows) -> "_Cycle":
-        """One plain decode step (the engine's) for rows with nothing proposed."""
-        tokens = np.asarray(self.engine._dispatch(rows).tokens)
+        """One plain step (the engine's) for rows with nothing proposed."""
+        tokens = np.asarray(self.engine.dispatch(rows).tokens)
         for r in rows:
             r.spec_metrics["target_passes"] += 1
             self.engine.count_speculation(0, 0)
         return _Cycle.plain([[int(tokens[j])] for j in range(len(rows))])
 
-    @staticmethod
-    def _take(r, tokens: list[int], now: float) -> tuple[str, int]:
-        """Accept tokens in order until the request finishes; (the visible text, how many
-        tokens were taken)."""
-        piece = ""
-        for taken, t in enumerate(tokens, 1):
-            piece += r.accept(t, now)
-            if r.finish_reason is not None:
-                return piece, taken
-        return piece, len(tokens)
-
     def _exact(self, reqs):
-        kept = self._cycle(reqs, "exact").kept
+        kept = self.cycle(reqs, "exact").kept
         now = time.perf_counter()
-        pieces = [self._take(r, toks, now)[0] for r, toks in zip(reqs, kept)]
+        pieces = [_take(r, toks, now)[0] for r, toks in zip(reqs, kept)]
         for r in reqs:
             if r.finish_reason is not None:
                 _summarize(r)
-        yield from self.engine._finish_done(reqs, pieces)
+        yield from self.engine.finished(reqs, pieces)
 
-    # ------------------------------------------------------------ SMC
-
-    def _particle_count(self, req, particles) -> int:
-        """N for the next cycle from free pages, keeping what one particle needs to finish:
-        no more than the pages hold for one cycle of every particle, and more than now only
-        if they hold two (a population grown for one cycle would be cut back at once)."""
-        e, spec = self.engine, self.spec
+    def particle_count(self, req, particles, free: int) -> int:
+        """N for the next cycle from `free` pages, keeping what one particle needs to
+        finish: no more than the pages hold for one cycle of every particle, and more
+        than now only if they hold two (a population grown for one cycle would be cut
+        back at once)."""
+        e, spec = self.engine, req.spec
         finish_one = req.max_pages - min(len(p.seq.pages) for p in particles) + 1
-        free = e.pool.num_available - finish_one
         cap = min(e.particle_cap if spec.particles == "auto" else spec.particles,
                   e.buckets.batch[-1])
-        fits = partial(particles_for, free, max(p.seq.length for p in particles),
+        fits = partial(particles_for, free - finish_one, max(p.seq.length for p in particles),
                        page_size=e.pool.page_size, cap=cap)
         now = fits(spec.gamma)
         return now if now <= len(particles) else max(len(particles), fits(2 * spec.gamma + 1))
 
-    def _smc(self, req, poll):
-        """Run one request's particles to the end, then release the chosen one's text.
-        `poll` runs between cycles; a request it aborts ends at once."""
-        spec = self.spec
-        resample_key, answer_key = draw_keys(req.params.seed)
-        particles, log_w = [req], np.zeros(1)
-        watch = SmcWatch(spec.min_agreement)
+    # ------------------------------------------------------------ draft model KV
+
+    def _draft_prefill(self, r) -> None:
+        """A separate draft model reads the prompt into its own KV (same pages) before the
+        request's first cycle. It covers prefix-cached pages too: the draft's values for
+        them may be missing."""
+        if not isinstance(r.draft, ModelDraft) or r.draft_prefilled:
+            return
+        e, draft = self.engine, r.draft
+        if draft.name not in e.draft_kvs:
+            c, kv = draft.config, e.kv
+            e.draft_kvs[draft.name] = PagedKV.create(
+                num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                num_pages=e.pool.num_pages, page_size=e.pool.page_size, dtype=kv.k.dtype)
+            e.draft_steps[draft.name] = Steps(c, e.buckets, e.steps.attn_impl,
+                                             e.steps.compiler_options)
+        _, e.draft_kvs[draft.name] = e.prefill_all(e.draft_steps[draft.name], draft.params,
+                                                   e.draft_kvs[draft.name], r.prompt_ids, r.seq)
+        r.draft_prefilled = True
+
+
+class SmcRun:
+    """One SMC request's population between cycles: its particles (forks of the request;
+    at first the request itself), their log-weights, the watch, and its own random
+    keys (every draw its own key)."""
+
+    def __init__(self, req):
+        self.req = req
+        self.resample_key, self.answer_key = draw_keys(req.params.seed)
+        self.particles, self.log_w = [req], np.zeros(1)
+        self.watch = SmcWatch(req.spec.min_agreement)
+        self.draws = 0  # resample keys used: every resample its own
+
+    def most_pages(self) -> int:
+        return max(len(p.seq.pages) for p in self.particles)
+
+    def _resample(self, n: int, degenerate: bool) -> None:
+        """Draw n particles by weight (forks of the ancestors), weights equal again."""
+        ancestors = resample(self.resample_key(self.draws), self.log_w.astype(np.float32),
+                             self.req.spec.resampler, num=n)
+        self.draws += 1
+        self.particles = _repoint(self.particles, np.asarray(ancestors))
+        self.watch.resamples += degenerate  # a change of N alone is no ESS resample
+        self.watch.log_z += float(log_mean_weight(self.log_w))
+        self.log_w = np.zeros(n)
+
+    def release(self) -> None:
+        """Give every particle's pages back (idempotent)."""
+        for p in self.particles:
+            p.seq.release()
+
+    def cycle(self, runner: SpecRunner, free_elsewhere: int):
+        """One cycle: N from the pages free beyond `free_elsewhere`'s promises, resample
+        or split, propose and weigh; at the end, the answer. Yields engine events."""
+        req, watch, e = self.req, self.watch, runner.engine
         try:
-            cycle = 0
-            while any(p.finish_reason is None for p in particles):
-                if cycle:
-                    poll(None, [req])  # cancellations only: nothing joins an SMC loop
-                if req.finish_reason == "abort":
-                    for p in particles:
-                        p.seq.release()
-                    return
-                # N follows free pages both ways: shrink by resampling, grow by splitting
-                n = 1 if watch.single else self._particle_count(req, particles)
-                degenerate = float(ess(log_w)) < spec.ess_threshold * len(particles)
-                if degenerate or n < len(particles):
-                    ancestors = resample(resample_key(cycle),
-                                         log_w.astype(np.float32), spec.resampler, num=n)
-                    particles = _repoint(particles, np.asarray(ancestors))
-                    watch.resamples += degenerate  # a change of N alone is no ESS resample
-                    watch.log_z += float(log_mean_weight(log_w))
-                    log_w = np.zeros(n)
-                elif n > len(particles):
-                    parents, log_w = split(log_w, n, [p.finish_reason is None
-                                                      for p in particles])
-                    particles = _repoint(particles, parents)
-                live = [j for j, p in enumerate(particles) if p.finish_reason is None]
-                if not live:  # resampled onto finished particles only
-                    break
-                rows = [particles[j] for j in live]
-                watch.particles.append(len(particles))
-                single = len(particles) == 1  # plain exact speculation, unsalted
-                out = self._cycle(rows, "exact" if single else "smc",
-                                  salts=None if single else live)
-                now = time.perf_counter()
-                taken = np.zeros(len(rows), np.int64)
-                for j, (p, toks) in enumerate(zip(rows, out.kept)):
-                    piece, taken[j] = self._take(p, toks, now)
-                    p.pending += piece
-                # the drafts each particle kept, up to its stop (exact: up to the first
-                # rejection, whose context still follows p)
-                counted = np.minimum(taken, out.num_draft)
-                if single:
-                    watch.observe_exact(out.agreement[0], int(counted[0]))
-                else:  # weigh the drafts each particle kept
-                    increment = block_increment(out.log_p, out.log_q, counted)
-                    log_w[live] += increment
-                    watch.observe_smc(increment, out.agreement, counted)
-                cycle += 1
-            watch.log_z += float(log_mean_weight(log_w))
-            chosen = particles[int(pick_answer(answer_key, log_w.astype(np.float32)))]
+            if self._step(runner, e.pool.num_available - free_elsewhere):
+                return
         except BaseException:
-            for p in particles:  # idempotent: the engine then releases `req` too
-                p.seq.release()
+            self.release()  # idempotent: the engine then releases `req` too
             raise
-        for p in particles:
+        watch.log_z += float(log_mean_weight(self.log_w))
+        chosen = self.particles[int(pick_answer(self.answer_key,
+                                                self.log_w.astype(np.float32)))]
+        for p in self.particles:
             if p is not chosen:
                 p.seq.release()
         chosen.spec_metrics.update(watch.metrics())
-        weights = log_w - float(np.logaddexp.reduce(log_w))
+        weights = self.log_w - float(np.logaddexp.reduce(self.log_w))
         chosen.particles = [{"token_ids": list(p.generated), "log_weight": float(lw)}
-                            for p, lw in zip(particles, weights)]
+                            for p, lw in zip(self.particles, weights)]
         _summarize(chosen)
         req.finish_reason = chosen.finish_reason
-        yield from self.engine._finish_done([chosen], [chosen.pending])
+        yield from e.finished([chosen], [chosen.pending])
 
-    # ------------------------------------------------------------ draft model KV
+    def _step(self, runner: SpecRunner, free: int) -> bool:
+        """Resample or split to this cycle's N and run it; False once every particle
+        ended (or a resample landed only on ended ones)."""
+        spec, watch = self.req.spec, self.watch
+        # N follows free pages both ways: shrink by resampling, grow by splitting
+        n = 1 if watch.single else runner.particle_count(self.req, self.particles, free)
+        degenerate = float(ess(self.log_w)) < spec.ess_threshold * len(self.particles)
+        if degenerate or n < len(self.particles):
+            self._resample(n, degenerate)
+        elif n > len(self.particles):
+            parents, self.log_w = split(self.log_w, n, [p.finish_reason is None
+                                                        for p in self.particles])
+            self.particles = _repoint(self.particles, parents)
+        particles = self.particles
+        live = [j for j, p in enumerate(particles) if p.finish_reason is None]
+        if not live:  # resampled onto finished particles only
+            return False
+        rows = [particles[j] for j in live]
+        watch.particles.append(len(particles))
+        single = len(particles) == 1  # plain exact speculation, unsalted
+        out = runner.cycle(rows, "exact" if single else "smc", salts=None if single else live)
+        now = time.perf_counter()
+        taken = np.zeros(len(rows), np.int64)
+        for j, (p, toks) in enumerate(zip(rows, out.kept)):
+            piece, taken[j] = _take(p, toks, now)
+            p.pending += piece
+        # the drafts each particle kept, up to its stop (exact: up to the first
+        # rejection, whose context still follows p)
+        counted = np.minimum(taken, out.num_draft)
+        if single:
+            watch.observe_exact(out.agreement[0], int(counted[0]))
+        else:  # weigh the drafts each particle kept
+            increment = block_increment(out.log_p, out.log_q, counted)
+            self.log_w[live] += increment
+            watch.observe_smc(increment, out.agreement, counted)
+        return any(p.finish_reason is None for p in particles)
 
-    def _draft_prefill(self, reqs) -> None:
-        """A separate draft model reads the prompt into its own KV (same pages). It
-        covers prefix-cached pages too: the draft's values for them may be missing."""
-        if not isinstance(self.draft, ModelDraft):
-            return
-        e, name = self.engine, self.draft.name
-        for r in reqs:
-            _, e.draft_kvs[name] = e.prefill_all(e.draft_steps[name], self.draft.params,
-                                                 e.draft_kvs[name], r.prompt_ids, r.seq)
+
+def _take(r, tokens: list[int], now: float) -> tuple[str, int]:
+    """Accept tokens in order until the request finishes; (the visible text, how many
+    tokens were taken)."""
+    piece = ""
+    for taken, t in enumerate(tokens, 1):
+        piece += r.accept(t, now)
+        if r.finish_reason is not None:
+            return piece, taken
+    return piece, len(tokens)
 
 
 def check_request(spec: SpecConfig, params) -> None:

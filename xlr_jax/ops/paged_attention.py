@@ -181,8 +181,10 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
     in f32, from the first block any query sees to the last: a dynamic trip count, so a
     block table may be as wide as the longest context and a short sequence still reads
     only its own few pages. `block_tables` must be a whole number of blocks wide.
-    One query per sequence (decode) takes the reference's layout: every head against
-    the pages as they lie, no transpose of the gathered block.
+    One query per sequence (decode) reads the gathered block as it lies, [batch, pages,
+    kv heads, slots, dim]: its queries are repeated per page, so every product is
+    batched over (batch, page, KV head) and neither transposes the block nor scores a
+    head against another head's keys.
     """
     k_pages, v_pages = kv_pages
     batch, q_len, num_heads, head_dim = q.shape
@@ -202,16 +204,14 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
         first = jnp.maximum(lowest - sliding_window + 1, 0) // span
     pick = (lambda x, idx: x[layer, idx]) if layer is not None else (lambda x, idx: x[idx])
     decode = q_len == 1
-    if decode:  # [B, H, D]; a column is (page, kv head, slot) as the pages lie
-        qs = q[:, 0]
-        col = jnp.arange(pages_per_block * kv_heads * page_size, dtype=jnp.int32)
-        col_pos = col // (kv_heads * page_size) * page_size + col % page_size
-        own = (jnp.arange(num_heads) // group)[:, None] == (col // page_size) % kv_heads
-        rows = (batch, num_heads)
+    if decode:  # [B, P, kvh, group, D]: the queries once per page of a block
+        qs = jnp.broadcast_to(q.reshape(batch, 1, kv_heads, group, head_dim),
+                              (batch, pages_per_block, kv_heads, group, head_dim))
+        rows = (batch, kv_heads, group)
     else:  # [B, kvh, group, Q, D]; per KV head, the block's positions in order
         qs = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
-        col_pos = jnp.arange(span, dtype=jnp.int32)
         rows = (batch, kv_heads, group, q_len)
+    col_pos = jnp.arange(span, dtype=jnp.int32)
 
     def block(i, carry):
         peak, total, acc = carry
@@ -225,25 +225,29 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
         seen = (pos <= q_positions[..., None]) & (pos < lengths[:, None, None])
         if sliding_window is not None:
             seen &= pos > q_positions[..., None] - sliding_window
-        if decode:
-            k, v = (x.reshape(batch, -1, head_dim) for x in (k, v))
-            scores = jnp.einsum("bhd,bcd->bhc", qs, k, preferred_element_type=jnp.float32)
-            scores = jnp.where(seen[:, 0][:, None, :] & own[None], scores, -jnp.inf)
-            spec = "bhc,bcd->bhd"
-        else:
+        if decode:  # scores [B, P, kvh, group, slots]; the softmax runs over (page, slot)
+            scores = jnp.einsum("bpkgd,bpksd->bpkgs", qs, k, preferred_element_type=jnp.float32)
+            seen = seen.reshape(batch, pages_per_block, 1, 1, page_size)
+            axes = (1, 4)
+        else:  # scores [B, kvh, group, Q, span]
             k, v = (x.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, span, head_dim)
                     for x in (k, v))
-            scores = jnp.einsum("bkgtd,bksd->bkgts", qs, k,
-                                preferred_element_type=jnp.float32)
-            scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
-            spec = "bkgts,bksd->bkgtd"
-        new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
+            scores = jnp.einsum("bkgtd,bksd->bkgts", qs, k, preferred_element_type=jnp.float32)
+            seen = seen[:, None, None]
+            axes = (-1,)
+        scores = jnp.where(seen, scores, -jnp.inf)
+        new_peak = jnp.maximum(peak, jnp.max(scores, axis=axes))
         safe = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
-        weights = jnp.exp(scores - safe[..., None])
+        weights = jnp.exp(scores - jnp.expand_dims(safe, axes))
         rescale = jnp.exp(peak - safe)  # 0 while nothing was seen (peak -inf)
-        total = total * rescale + jnp.sum(weights, axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum(spec, weights.astype(v.dtype), v,
-                                                    preferred_element_type=jnp.float32)
+        total = total * rescale + jnp.sum(weights, axis=axes)
+        weights = weights.astype(v.dtype)
+        if decode:  # summed over pages after the product: batch dims stay leading
+            out = jnp.einsum("bpkgs,bpksd->bpkgd", weights, v,
+                             preferred_element_type=jnp.float32).sum(axis=1)
+        else:
+            out = jnp.einsum("bkgts,bksd->bkgtd", weights, v, preferred_element_type=jnp.float32)
+        acc = acc * rescale[..., None] + out
         return new_peak, total, acc
 
     init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
@@ -251,5 +255,5 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
     _, total, acc = jax.lax.fori_loop(first, -(-last // span), block, init)
     out = acc / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]
     if decode:
-        return out[:, None].astype(out_dtype)
+        return out.reshape(batch, 1, num_heads, head_dim).astype(out_dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(out_dtype)
