@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlr_jax.bench import environment, git_state
-from xlr_jax.hardware import measure_bandwidth
+from xlr_jax.bench.run import environment, git_state
+from xlr_jax.kv.paged_kv import quantize_kv
 from xlr_jax.ops import paged_attention
 from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas
-from xlr_jax.paged_kv import quantize_kv
+from xlr_jax.planning.hardware import measure_bandwidth
 
 FULL = dict(heads=32, kv_heads=8, head_dim=128, page_size=16, batch=32, context=4096,
             verify_n=8, verify_q=5, runs=50, warmup=5, bandwidth_gib=4.0,

@@ -256,7 +256,7 @@ def main(argv=None) -> dict:
             "prefix_cache": False, "cache_dir": args.cache_dir}
 
     import xlr_jax
-    from xlr_jax.bench import environment, git_state
+    from xlr_jax.bench.run import environment, git_state
 
     model = xlr_jax.load_model("smollm2", **load)
     requests = workload(model.tokenizer, n, preset["prompt"], preset["output"], args.seed)

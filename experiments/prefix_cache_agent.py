@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
         print(json.dumps(run_mode(args.mode, args.cache_dir, args.max_tokens)))
         return {}
 
-    from xlr_jax.bench import environment, git_state
+    from xlr_jax.bench.run import environment, git_state
 
     with tempfile.TemporaryDirectory() as off_dir, tempfile.TemporaryDirectory() as on_dir:
         modes = {"off": _spawn("off", off_dir, args.max_tokens),

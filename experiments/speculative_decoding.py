@@ -184,7 +184,7 @@ def build_draft(folder: Path, draft: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from xlr_jax.registry import resolve_model
+    from xlr_jax.loading.registry import resolve_model
 
     gguf = resolve_model("smollm2")
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
@@ -323,8 +323,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(REPO))
-    from xlr_jax.bench import environment, git_state
-    from xlr_jax.registry import resolve_model
+    from xlr_jax.bench.run import environment, git_state
+    from xlr_jax.loading.registry import resolve_model
 
     config = tomllib.loads(Path(args.config).read_text())
     run = {**config["run"], **(config["quick"] if args.quick else {})}

@@ -113,9 +113,9 @@ def kv_pool(model: str, cache_dir: str, one_shot_context: int) -> dict:
     import jax
 
     from xlr_jax import Workload, plan, probe
-    from xlr_jax.paged_kv import PagedKV
-    from xlr_jax.registry import resolve_model
-    from xlr_jax.weights import open_source
+    from xlr_jax.kv.paged_kv import PagedKV
+    from xlr_jax.loading.registry import resolve_model
+    from xlr_jax.loading.weights import open_source
 
     config = open_source(resolve_model(model), cache_dir).config
     out = {}
@@ -207,7 +207,7 @@ def main(argv=None) -> dict:
             print(json.dumps(agent_turn(model, cache_dir, int(rest[0]), bool(int(rest[1])))))
         return {}
 
-    from xlr_jax.bench import environment, git_state
+    from xlr_jax.bench.run import environment, git_state
 
     repeats = 1 if args.quick else args.repeats
     max_tokens = args.max_tokens or (16 if args.quick else None)

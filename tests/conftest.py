@@ -28,7 +28,7 @@ def model(cache_dir):
 
 @pytest.fixture(scope="session")
 def gguf_path():
-    from xlr_jax.registry import resolve_model
+    from xlr_jax.loading.registry import resolve_model
 
     return resolve_model("smollm2")
 

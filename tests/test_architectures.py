@@ -24,13 +24,14 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2Config, Qwen2ForCausalLM)
 
 import xlr_jax
-from xlr_jax.config import RopeScaling
-from xlr_jax.engine import Engine
-from xlr_jax.model import params_from_arrays
-from xlr_jax.paged_kv import SCRATCH_PAGE, PagedKV
-from xlr_jax.sampling import SamplingParams
-from xlr_jax.steps import Buckets, Steps
-from xlr_jax.weights import hf_config, load_weights
+from xlr_jax.kv.paged_kv import SCRATCH_PAGE, PagedKV
+from xlr_jax.loading.weights import hf_config, load_weights
+from xlr_jax.model.config import RopeScaling
+from xlr_jax.model.decoder import params_from_arrays
+from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.model.steps import Steps
+from xlr_jax.planning.mapper import Buckets
+from xlr_jax.runtime.engine import Engine
 
 # Relative error max|xlr - hf| / max|hf|. Both sides run in float32 and differ only in summation
 # order (observed ~2e-6); a wrong feature gives errors of order 1 (see each case's ablation).
@@ -443,7 +444,7 @@ def test_params_cache_damaged_entry_is_rebuilt(zoo, tmp_path, caplog, damage):
     files = [p for p in entry.rglob("*") if p.is_file()]
     damage(max(files, key=lambda p: p.stat().st_size))  # the largest file: the weights
 
-    with caplog.at_level(logging.WARNING, logger="xlr_jax.weights"):
+    with caplog.at_level(logging.WARNING, logger="xlr_jax.loading.weights"):
         rebuilt = load_weights(path, cache_dir=tmp_path)
     assert not rebuilt.from_cache, "a damaged cache entry was trusted"
     assert any("converting again" in r.getMessage() for r in caplog.records)

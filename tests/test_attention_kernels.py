@@ -25,14 +25,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 
-from xlr_jax.bench_runners import random_params
-from xlr_jax.config import ModelConfig
-from xlr_jax.engine import Engine
-from xlr_jax.model import Params
+from xlr_jax.bench.engines import random_params
+from xlr_jax.kv.paged_kv import quantize_kv
+from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.decoder import Params
+from xlr_jax.model.sampling import SamplingParams
 from xlr_jax.ops import paged_attention
 from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas
-from xlr_jax.paged_kv import quantize_kv
-from xlr_jax.sampling import SamplingParams
+from xlr_jax.runtime.engine import Engine
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 

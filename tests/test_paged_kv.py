@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xlr_jax import OutOfPagesError
-from xlr_jax.paged_kv import SCRATCH_PAGE, PagedKV, PagePool, SequencePages, copy_pages
+from xlr_jax.kv.paged_kv import SCRATCH_PAGE, PagedKV, PagePool, SequencePages, copy_pages
 
 
 def check_pool(pool: PagePool, seqs: list[SequencePages]) -> None:

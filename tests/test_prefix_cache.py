@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xlr_jax
-from xlr_jax.paged_kv import PagePool, SequencePages
-from xlr_jax.prefix_cache import PrefixCache, chain_keys
+from xlr_jax.kv.paged_kv import PagePool, SequencePages
+from xlr_jax.kv.prefix_cache import PrefixCache, chain_keys
 
 PS = 4
 

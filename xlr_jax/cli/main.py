@@ -64,7 +64,7 @@ def _load_summary(info: dict) -> str:
 
 def _spec(text: str) -> dict:
     """--spec parsed and validated while the arguments are read, before the model loads."""
-    from xlr_jax.speculative import SpecConfig
+    from xlr_jax.speculative.cycle import SpecConfig
 
     try:
         return SpecConfig.from_cli(text)
@@ -103,8 +103,8 @@ def _one_shot(args) -> dict:
     prompt + max_tokens, 256 at least). The plan then sizes the KV pool to this request
     instead of zero-filling two full contexts (760 MB for SmolLM2, 0.5-1 s), and the same
     command run again meets the same plan, hence the same compiled steps."""
-    from xlr_jax.registry import default_cache_dir, resolve_model
-    from xlr_jax.weights import open_source
+    from xlr_jax.loading.registry import default_cache_dir, resolve_model
+    from xlr_jax.loading.weights import open_source
 
     source = open_source(resolve_model(args.model), args.cache_dir or default_cache_dir())
     if source.tokenizer is None or args.spec is not None:  # speculation keeps the whole pool
@@ -225,9 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(info)
     info.set_defaults(func=cmd_info)
 
-    from xlr_jax import bench, cli_mapper
-    bench.add_cli(sub)
-    cli_mapper.add_cli(sub, _add_model_options)
+    from xlr_jax.bench import run
+    from xlr_jax.cli import plan
+    run.add_cli(sub)
+    plan.add_cli(sub, _add_model_options)
     return parser
 
 

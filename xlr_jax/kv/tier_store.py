@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xlr_jax.disk_cache import check_once, mark_checked
+from xlr_jax.loading.disk_cache import check_once, mark_checked
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import jax
 
-from xlr_jax.bench_runners import (RUNNERS, leading_agreement, measure,
-                                   prompt_ids, roofline)
+from xlr_jax.bench.engines import RUNNERS, leading_agreement, measure, prompt_ids, roofline
 from xlr_jax.errors import XlrError
-from xlr_jax.hardware import cpu_name, measure_bandwidth
+from xlr_jax.planning.hardware import cpu_name, measure_bandwidth
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,6 +8,7 @@ overridden; an override that cannot fit is refused with the numbers.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import logging
@@ -16,11 +17,10 @@ from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 
-from xlr_jax.config import ModelConfig
 from xlr_jax.errors import PlanError
-from xlr_jax.hardware import HardwareProfile
-from xlr_jax.paged_kv import is_quantized
-from xlr_jax.steps import Buckets
+from xlr_jax.kv.paged_kv import is_quantized
+from xlr_jax.model.config import ModelConfig
+from xlr_jax.planning.hardware import HardwareProfile
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -137,6 +137,36 @@ def particles_for(free_pages: int, context_len: int, gamma: int, *, page_size: i
     the other sequences' growth; the extra particles never take more than the rest."""
     usable = max(free_pages, 0) - math.ceil(max(free_pages, 0) / 10)
     return max(1, min(cap, 1 + usable // particle_pages(context_len, gamma, page_size)))
+
+
+def pick_bucket(n: int, sizes: tuple[int, ...]) -> int:
+    """The smallest bucket >= n (sizes sorted ascending)."""
+    i = bisect.bisect_left(sizes, n)
+    if i == len(sizes):
+        raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+    return sizes[i]
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The shapes steps compile for (decided by `buckets_for`, here only)."""
+    batch: tuple[int, ...]   # decode rows (and speculative rows)
+    chunk: tuple[int, ...]   # prefill chunk lengths; the last is the chunk size
+    pages: tuple[int, ...]   # block-table widths of speculative cycles and scoring
+    attn_block: int = ATTN_BLOCK_PAGES  # pages the ragged step's attention reads at a time
+
+    @property
+    def table_width(self) -> int:
+        """The ragged step's block-table width: the widest table, in whole blocks."""
+        return -(-self.pages[-1] // self.attn_block) * self.attn_block
+
+
+def buckets_for(max_batch: int, prefill_chunk: int, max_pages: int, dense: bool) -> Buckets:
+    """The buckets of a plan's sizes: decode rows, a power of two up to max_batch; chunks,
+    a power of two from 16 to prefill_chunk; block-table widths up to `max_pages` (see
+    `page_width_buckets`)."""
+    return Buckets(powers_of_two_upto(max_batch), powers_of_two_upto(prefill_chunk, start=16),
+                   page_width_buckets(max_pages, dense))
 
 
 def page_width_buckets(max_pages: int, dense: bool) -> tuple[int, ...]:
@@ -278,13 +308,11 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         raise PlanError(f"num_pages={pages} leaves no page beside the scratch page; "
                         "use at least 2")
 
-    batch_buckets = powers_of_two_upto(batch)
-    chunk_buckets = powers_of_two_upto(chunk, start=16)
-    page_buckets = page_width_buckets(per_context, dense=not gpu)
+    buckets = buckets_for(batch, chunk, per_context, dense=not gpu)
     why["buckets"] = ("a step is (decode rows, chunk): decode rows alone (a power of two up "
                       "to max_batch), a chunk alone (a power of two from 16 to "
                       "prefill_chunk), or a chunk beside max_batch rows (the chunk dominates "
-                      f"its cost): {len(batch_buckets) + 2 * len(chunk_buckets)} executables "
+                      f"its cost): {len(buckets.batch) + 2 * len(buckets.chunk)} executables "
                       "in all; its attention walks only the pages each row sees, "
                       f"{ATTN_BLOCK_PAGES} at a time, so the block-table width is not a shape "
                       "to compile for. Speculative cycles and scoring keep block-table widths: "
@@ -314,9 +342,9 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         backend=hardware.backend, device_name=hardware.device_name, compute_dtype=compute,
         kv_dtype=kv, page_size=ps, num_pages=pages, max_context=context, max_batch=batch,
         prefill_chunk=chunk, max_step_tokens=step_tokens, max_waiting=waiting, max_preemptions=MAX_PREEMPTIONS,
-        max_pinned_share=MAX_PINNED_SHARE, batch_buckets=batch_buckets,
-        chunk_buckets=chunk_buckets,
-        page_buckets=page_buckets, attn_block_pages=ATTN_BLOCK_PAGES, attn_impl=impl, speculative=spec, memory=memory,
+        max_pinned_share=MAX_PINNED_SHARE, batch_buckets=buckets.batch,
+        chunk_buckets=buckets.chunk, page_buckets=buckets.pages,
+        attn_block_pages=buckets.attn_block, attn_impl=impl, speculative=spec, memory=memory,
         compiler_options=xla, reasons=why)
 
 

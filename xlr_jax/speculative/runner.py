@@ -30,12 +30,12 @@ from functools import partial
 import numpy as np
 
 from xlr_jax.errors import InvalidRequestError
-from xlr_jax.mapper import particles_for, powers_of_two_upto
-from xlr_jax.paged_kv import PagedKV
-from xlr_jax.smc import (block_increment, draw_keys, ess, log_mean_weight, pick_answer,
-                         resample, split)
-from xlr_jax.speculative import ModelDraft, SpecConfig
-from xlr_jax.steps import Steps, pick_bucket
+from xlr_jax.kv.paged_kv import PagedKV
+from xlr_jax.model.steps import Steps
+from xlr_jax.planning.mapper import particles_for, pick_bucket, powers_of_two_upto
+from xlr_jax.speculative.cycle import ModelDraft, SpecConfig
+from xlr_jax.speculative.smc import (block_increment, draw_keys, ess, log_mean_weight, pick_answer,
+                                     resample, split)
 
 SMC_PROBATION = 4      # exact cycles that measure the draft's agreement before SMC starts
 

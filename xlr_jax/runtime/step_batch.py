@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlr_jax.model.sampling import SamplingBatch, SamplingParams
 from xlr_jax.pytree import pytree_dataclass
-from xlr_jax.sampling import SamplingBatch, SamplingParams
 
 
 @pytree_dataclass

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from xlr_jax.config import ModelConfig, RopeScaling
-from xlr_jax.disk_cache import atomic_entry, file_digest, load_arrays, save_arrays
 from xlr_jax.errors import ModelLoadError, UnsupportedModelError
-from xlr_jax.tokenizer import Tokenizer
+from xlr_jax.loading.disk_cache import atomic_entry, file_digest, load_arrays, save_arrays
+from xlr_jax.loading.tokenizer import Tokenizer
+from xlr_jax.model.config import ModelConfig, RopeScaling
 
 log = logging.getLogger(__name__)
 

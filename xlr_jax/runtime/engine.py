@@ -1,7 +1,7 @@
 """The host-side engine: requests, continuous batching, stop rules, metrics.
 
 Host state (page pool, block tables, queues) lives here in plain Python; the
-device sees only the jitted steps of `xlr_jax.steps`. One loop (`serve`) runs
+device sees only the jitted steps of `xlr_jax.model.steps`. One loop (`serve`) runs
 every request: each step carries a token of every running plain request and a
 prefill chunk of the oldest one still prefilling; between steps, requests join
 and leave, and speculating requests run their cycles (`spec_runner`). Plain
@@ -27,21 +27,21 @@ from typing import Iterator
 import jax.numpy as jnp
 import numpy as np
 
-from xlr_jax.config import ModelConfig
 from xlr_jax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
-from xlr_jax.executables import ExecutableStore
-from xlr_jax.mapper import (MAX_PINNED_SHARE, MAX_PREEMPTIONS, ExecutionPlan,
-                            page_width_buckets, powers_of_two_upto)
-from xlr_jax.model import Params
-from xlr_jax.paged_kv import (PagedKV, PagePool, SequencePages, copy_pages, leaves,
-                              read_pages, write_pages)
-from xlr_jax.prefix_cache import PrefixCache, tier_counts
-from xlr_jax.tier_store import TierStore
-from xlr_jax.sampling import SamplingBatch, SamplingParams, sampler_for
-from xlr_jax.spec_runner import SpecRunner, check_request, start_metrics
-from xlr_jax.speculative import Draft, SpecConfig, SpecSteps
-from xlr_jax.steps import Buckets, Steps, pick_bucket
-from xlr_jax.tokenizer import Tokenizer
+from xlr_jax.kv.paged_kv import (PagedKV, PagePool, SequencePages, copy_pages, leaves, read_pages,
+                                 write_pages)
+from xlr_jax.kv.prefix_cache import PrefixCache, tier_counts
+from xlr_jax.kv.tier_store import TierStore
+from xlr_jax.loading.tokenizer import Tokenizer
+from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.decoder import Params
+from xlr_jax.model.executables import ExecutableStore
+from xlr_jax.model.sampling import SamplingBatch, SamplingParams, sampler_for
+from xlr_jax.model.steps import Steps
+from xlr_jax.planning.mapper import (MAX_PINNED_SHARE, MAX_PREEMPTIONS, Buckets, ExecutionPlan,
+                                     buckets_for, pick_bucket)
+from xlr_jax.speculative.cycle import Draft, SpecConfig, SpecSteps
+from xlr_jax.speculative.runner import SpecRunner, check_request, start_metrics
 
 
 @dataclass
@@ -273,10 +273,8 @@ class Engine:
                                  head_dim=config.head_dim, num_pages=num_pages,
                                  page_size=page_size, dtype=kv_dtype)
         # shapes every step is compiled for (the plan's; CPU-style defaults otherwise)
-        self.buckets = buckets or Buckets(
-            batch=powers_of_two_upto(max_batch),
-            chunk=powers_of_two_upto(prefill_chunk, start=16),
-            pages=page_width_buckets(-(-max_context // page_size), dense=True))
+        self.buckets = buckets or buckets_for(max_batch, prefill_chunk,
+                                              -(-max_context // page_size), dense=True)
         # tokens one step may carry: every decode row and one prefill chunk
         self.max_step_tokens = max_step_tokens or max_batch + prefill_chunk
         self.steps = Steps(config, self.buckets, attn_impl, compiler_options)

@@ -1,4 +1,4 @@
-"""What `xlr_jax.bench` measures: engines behind one `generate`, bandwidth, the decode roofline.
+"""What `xlr_jax.bench.run` measures: engines behind one `generate`, bandwidth, the decode roofline.
 
 Every engine (xlr-jax on a real or a random-weight model, transformers) is a
 runner with `generate(ids, n) -> Run`; `measure` times any of them the same way.
@@ -15,11 +15,11 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from xlr_jax.api import load_model
-from xlr_jax.config import ModelConfig
-from xlr_jax.engine import Engine
-from xlr_jax.model import LayerParams, Params
-from xlr_jax.registry import resolve_model
-from xlr_jax.sampling import SamplingParams
+from xlr_jax.loading.registry import resolve_model
+from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.decoder import LayerParams, Params
+from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.runtime.engine import Engine
 
 
 class Run(NamedTuple):

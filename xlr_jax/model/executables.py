@@ -31,7 +31,7 @@ from typing import Iterator
 
 import jax
 
-from xlr_jax.disk_cache import write_atomic
+from xlr_jax.loading.disk_cache import write_atomic
 
 log = logging.getLogger(__name__)
 _FRESH = threading.Lock()  # guards the two below

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from xlr_jax.config import ModelConfig
-from xlr_jax.hardware import HardwareProfile
+from xlr_jax.model.config import ModelConfig
+from xlr_jax.planning.hardware import HardwareProfile
 
 
 def weight_bytes_read(c: ModelConfig, tokens: int, weight_bytes: float) -> float:

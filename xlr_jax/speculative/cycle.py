@@ -25,12 +25,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from xlr_jax.config import ModelConfig
-from xlr_jax.drafts import ngram_propose
 from xlr_jax.errors import InvalidRequestError
-from xlr_jax.model import Params, forward, lm_head
-from xlr_jax.sampling import SamplingBatch, token_probs
-from xlr_jax.spec_sampling import accept_block
+from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.decoder import Params, forward, lm_head
+from xlr_jax.model.sampling import SamplingBatch, token_probs
+from xlr_jax.speculative.acceptance import accept_block
+from xlr_jax.speculative.drafts import ngram_propose
 
 MAX_GAMMA = 16
 # SMC runs only if the draft's agreement sum_v min(p, q) with the target, measured on

@@ -7,11 +7,9 @@ chunk, their counts rounded up to the plan's buckets, so the step compiles once 
 """
 from __future__ import annotations
 
-import bisect
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -19,33 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from xlr_jax.config import ModelConfig
-from xlr_jax.executables import ExecutableStore, compile_fresh
-from xlr_jax.model import Params, forward, forward_step, lm_head
-from xlr_jax.paged_kv import PagedKV
-from xlr_jax.sampling import row_logprobs, sample_rows
-from xlr_jax.step_batch import StepBatch, StepBuilder
-
-
-def pick_bucket(n: int, sizes: tuple[int, ...]) -> int:
-    """The smallest bucket >= n (sizes sorted ascending)."""
-    i = bisect.bisect_left(sizes, n)
-    if i == len(sizes):
-        raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
-    return sizes[i]
-
-
-@dataclass(frozen=True)
-class Buckets:
-    batch: tuple[int, ...]   # decode rows (and speculative rows)
-    chunk: tuple[int, ...]   # prefill chunk lengths; the last is the chunk size
-    pages: tuple[int, ...]   # block-table widths of speculative cycles and scoring
-    attn_block: int = 4      # pages the ragged step's attention reads at a time
-
-    @property
-    def table_width(self) -> int:
-        """The ragged step's block-table width: the widest table, in whole blocks."""
-        return -(-self.pages[-1] // self.attn_block) * self.attn_block
+from xlr_jax.kv.paged_kv import PagedKV
+from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.decoder import Params, forward, forward_step, lm_head
+from xlr_jax.model.executables import ExecutableStore, compile_fresh
+from xlr_jax.model.sampling import row_logprobs, sample_rows
+from xlr_jax.planning.mapper import Buckets, pick_bucket
+from xlr_jax.runtime.step_batch import StepBatch, StepBuilder
 
 
 def _step(params: Params, kv: PagedKV, batch: StepBatch, *, config: ModelConfig,

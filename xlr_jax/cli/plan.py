@@ -17,7 +17,7 @@ PHASE_ROWS = [  # (label, key, unit, scale)
 
 
 def cmd_probe(args) -> int:
-    from xlr_jax.hardware import probe
+    from xlr_jax.planning.hardware import probe
 
     hw = probe(measure=args.measure)
     if args.json:
@@ -33,9 +33,9 @@ def cmd_probe(args) -> int:
 
 def _plan_for(args):
     from xlr_jax import load_model, plan, probe
-    from xlr_jax.mapper import Workload
-    from xlr_jax.registry import resolve_model
-    from xlr_jax.weights import read_config
+    from xlr_jax.planning.mapper import Workload
+    from xlr_jax.loading.registry import resolve_model
+    from xlr_jax.loading.weights import read_config
 
     options = dict(dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
                    num_pages=args.num_pages, attn_impl=args.attn_impl)
@@ -79,7 +79,7 @@ def cmd_plan(args) -> int:
 
 
 def _hardware(name: str):
-    from xlr_jax.hardware import preset, probe
+    from xlr_jax.planning.hardware import preset, probe
 
     if name == "this":
         return probe()
@@ -90,9 +90,9 @@ def _hardware(name: str):
 
 
 def _model_config(name: str):
-    from xlr_jax.registry import resolve_model
-    from xlr_jax.roofline import PRESETS
-    from xlr_jax.weights import read_config
+    from xlr_jax.loading.registry import resolve_model
+    from xlr_jax.planning.roofline import PRESETS
+    from xlr_jax.loading.weights import read_config
 
     if name in PRESETS:
         return PRESETS[name]
@@ -104,7 +104,7 @@ def _model_config(name: str):
 
 
 def cmd_roofline(args) -> int:
-    from xlr_jax.roofline import estimate, measured_points, plot
+    from xlr_jax.planning.roofline import estimate, measured_points, plot
 
     hw = _hardware(args.hardware)
     config = _model_config(args.model)

@@ -1,0 +1,1 @@
+"""`xlr bench`: benchmark configs, the engines they compare, and their JSON."""

@@ -1,0 +1,1 @@
+"""Where weights and tokenizers come from: GGUF and safetensors readers, the registry, caches."""

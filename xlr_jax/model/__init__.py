@@ -1,0 +1,1 @@
+"""The model on the device: config, the pure decoder, sampling and the jitted steps."""

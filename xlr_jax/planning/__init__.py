@@ -1,0 +1,1 @@
+"""From hardware and model to an Execution Plan: the probe, the Capability Mapper, the roofline."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafts, the jitted cycle, exact acceptance, SMC, and the host runner."""
