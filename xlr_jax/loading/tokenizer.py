@@ -95,6 +95,12 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def gguf_field(reader, key: str, default=None):
+    """A GGUF metadata field's value (`gguf.GGUFReader`), or `default` when absent."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
 class Tokenizer:
     """A `tokenizers` pipeline plus the special-token facts and chat template a model ships with."""
 
@@ -115,8 +121,7 @@ class Tokenizer:
         """Build from a `gguf.GGUFReader`'s tokenizer metadata (byte-level BPE vocabularies only)."""
 
         def meta(key, default=None):
-            field = reader.fields.get(key)
-            return default if field is None else field.contents()
+            return gguf_field(reader, key, default)
 
         kind = meta("tokenizer.ggml.model")
         if kind != "gpt2":

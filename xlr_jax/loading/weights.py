@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from xlr_jax.errors import ModelLoadError, UnsupportedModelError
 from xlr_jax.loading.disk_cache import atomic_entry, file_digest, load_arrays, save_arrays
-from xlr_jax.loading.tokenizer import Tokenizer
+from xlr_jax.loading.tokenizer import Tokenizer, gguf_field
 from xlr_jax.model.config import ModelConfig, RopeScaling
 
 log = logging.getLogger(__name__)
@@ -75,11 +75,6 @@ def _layer_dict(q, k, v, o, attn_norm, mlp_norm, gate, up, down, biases, dtype):
 
 # ---------------------------------------------------------------- GGUF
 
-def _gguf_field(reader, key, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's interleaving of Q/K rows (its RoPE pairs adjacent dims)."""
     rows = w.shape[0]
@@ -88,7 +83,7 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def gguf_config(reader) -> ModelConfig:
-    arch = _gguf_field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; supported: "
@@ -99,11 +94,11 @@ def gguf_config(reader) -> ModelConfig:
             "directory of the model instead")
 
     def f(key, default=None):
-        return _gguf_field(reader, f"{arch}.{key}", default)
+        return gguf_field(reader, f"{arch}.{key}", default)
 
     hidden, heads = int(f("embedding_length")), int(f("attention.head_count"))
     tensors = {t.name for t in reader.tensors}
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
     scaling = RopeScaling()
     if f("rope.scaling.type") == "linear":
         scaling = RopeScaling(kind="linear", factor=float(f("rope.scaling.factor")))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from xlr_jax.errors import PlanError
 from xlr_jax.kv.paged_kv import is_quantized
 from xlr_jax.model.config import ModelConfig
+from xlr_jax.ops import IMPLS
 from xlr_jax.planning.hardware import HardwareProfile
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,6 @@ DTYPE_NAMES = {"float32": "float32", "f32": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "f16": "float16"}
 KV_DTYPE_NAMES = {**DTYPE_NAMES, "int8": "int8", "fp8": "float8_e4m3fn",
                   "float8_e4m3fn": "float8_e4m3fn"}
-ATTN_IMPLS = ("auto", "pallas", "xla")
 WAITING_PER_SLOT = 32      # default max_waiting per max_batch slot
 MAX_PREEMPTIONS = 2        # a request preempted this often is protected: it runs to the end
 MAX_PINNED_SHARE = 0.5     # stable tiers pinning more of the pool unpin LRU-first
@@ -260,8 +260,8 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                   "pallas" if gpu else "xla",
                   "GPU: the Pallas paged-attention kernel" if gpu else
                   "CPU: the XLA reference (Pallas runs only interpreted here)")
-    if impl not in ATTN_IMPLS[1:]:
-        raise PlanError(f"attn_impl {impl!r} is not supported; choose one of {ATTN_IMPLS}")
+    if impl not in IMPLS[1:]:
+        raise PlanError(f"attn_impl {impl!r} is not supported; choose one of {IMPLS}")
 
     wide = not gpu and hardware.cpu_vector_bits >= 512
     xla = choose("compiler_options", compiler_options,
