@@ -72,8 +72,7 @@ class SpecRunner:
         for r in smc:
             if r.smc is None:  # its first cycle
                 r.smc = SmcRun(r)
-            others = promised - self.engine.owed_pages(r)
-            yield from r.smc.cycle(self, others)
+            yield from r.smc.cycle(self, promised - self.engine.owed_pages(r))
 
     # ------------------------------------------------------------ one cycle
 
@@ -209,12 +208,13 @@ class SmcRun:
         for p in self.particles:
             p.seq.release()
 
-    def cycle(self, runner: SpecRunner, free_elsewhere: int):
-        """One cycle: N from the pages free beyond `free_elsewhere`'s promises, resample
-        or split, propose and weigh; at the end, the answer. Yields engine events."""
+    def cycle(self, runner: SpecRunner, promised_elsewhere: int):
+        """One cycle: N from the free pages not `promised_elsewhere` (to other running
+        requests), resample or split, propose and weigh; at the end, the answer. Yields
+        engine events."""
         req, watch, e = self.req, self.watch, runner.engine
         try:
-            if self._step(runner, e.pool.num_available - free_elsewhere):
+            if self._step(runner, e.pool.num_available - promised_elsewhere):
                 return
         except BaseException:
             self.release()  # idempotent: the engine then releases `req` too
