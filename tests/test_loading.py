@@ -142,13 +142,16 @@ def test_a_load_never_holds_the_weights_twice(tmp_path):
         del model
 
 
-WARM_RUN = textwrap.dedent("""
+# counts XLA compiles that JAX's persistent cache did not answer: len(compiles) - len(hits)
+COUNT_COMPILES = textwrap.dedent("""
     import json, sys
     import jax.monitoring
     compiles, hits = [], []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, s, **kw: compiles.append(name) if name.endswith("backend_compile_duration")
         else hits.append(name) if name.endswith("cache_retrieval_time_sec") else None)
+""")
+WARM_RUN = COUNT_COMPILES + textwrap.dedent("""
     import xlr_jax
     model = xlr_jax.load_model(sys.argv[1], cache_dir=sys.argv[2], max_context=512)
     parsed = "gguf" in sys.modules
@@ -211,8 +214,7 @@ def test_compiled_steps_are_kept_apart_by_what_shapes_them(tiny, tmp_path):
     assert len(_steps_dirs(tmp_path)) == 3  # compile options and the KV pool each count
 
 
-AGENT_RUN = textwrap.dedent("""
-    import json, sys
+AGENT_RUN = COUNT_COMPILES + textwrap.dedent("""
     import xlr_jax
     model = xlr_jax.load_model(sys.argv[1], cache_dir=sys.argv[2], max_context=1024)
     system = "You are a careful agent. " * 12 + "Use the tools."
@@ -220,7 +222,7 @@ AGENT_RUN = textwrap.dedent("""
                     {"role": "user", "content": "Find the papers."}], max_tokens=4)
     model.engine.tier_store.flush()
     print(json.dumps({"ids": r.token_ids, "cached": r.metrics["cached_tokens"],
-                      "stable": r.metrics["stable_tokens"]}))
+                      "stable": r.metrics["stable_tokens"], "compiles": len(compiles) - len(hits)}))
 """)
 
 
@@ -232,4 +234,7 @@ def test_a_restarted_agent_runs_the_steps_the_first_process_compiled(tiny, tmp_p
     assert again["cached"] == again["stable"]  # the stable tier came from disk
     # prefill chunks stop at the tier's end, so what follows it is a chunk compiled before
     assert {p.name for p in (tmp_path / "executables").rglob("*.bin")} == steps
+    # restoring the tier (its pages written, its partial last page copied on write) ran
+    # programs the first process compiled into JAX's cache when it saved the tier
+    assert again["compiles"] == 0, "the restarted agent compiled"
     assert again["ids"] == first["ids"]

@@ -114,6 +114,21 @@ def _write_pages(kv: PagedKV, ids, pages: dict) -> PagedKV:
 write_pages = jax.jit(_write_pages, donate_argnums=0)
 
 
+def restore_lowering(kv: PagedKV, num_pages: int):
+    """A function lowering what restoring a `num_pages`-page tier into a pool shaped like
+    `kv` runs: `write_pages`, and `copy_pages` of one page (a tier's partial last page
+    is copied on write). Compiled beside the loop when a tier is saved, they go to JAX's
+    persistent cache, so the process that restores the tier compiles neither (0.2 s of
+    its first turn otherwise). Shapes are read now: `kv` may be donated before it runs."""
+    # no shardings: the calls pass plain arrays, and JAX's cache key counts them
+    pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), kv)
+    pages = {name: jax.ShapeDtypeStruct((x.shape[0], num_pages, *x.shape[2:]), x.dtype)
+             for name, x in leaves(kv).items()}
+    ids = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
+    return lambda: [write_pages.lower(pool, ids(num_pages), pages),
+                    copy_pages.lower(pool, ids(1), ids(1))]
+
+
 def leaves(kv: PagedKV) -> dict:
     """The pytree's arrays by name, quantization scales included when present."""
     names = ("k", "v", "k_scale", "v_scale")

@@ -20,6 +20,7 @@ import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -57,13 +58,23 @@ class TierStore:
     def path(self, tokens) -> Path:
         return self.root / f"{tier_digest(self.namespace, tokens)}.safetensors"
 
-    def save_async(self, tokens, pages: dict) -> Future:
-        """Queue a snapshot of `pages` ({leaf: device array [layers, n, ...]}) for `tokens`."""
-        future = self._writer.submit(self._save, tuple(int(t) for t in tokens), pages)
+    def save_async(self, tokens, pages: dict, then: Callable[[], None] | None = None) -> Future:
+        """Queue a snapshot of `pages` ({leaf: device array [layers, n, ...]}) for
+        `tokens`; `then` runs after it on the same background thread (a failure there is
+        logged: it must not cost the snapshot)."""
+        future = self._writer.submit(self._save, tuple(int(t) for t in tokens), pages, then)
         self._pending.append(future)
         return future
 
-    def _save(self, tokens: tuple, pages: dict) -> None:
+    def _save(self, tokens: tuple, pages: dict, then: Callable[[], None] | None) -> None:
+        self._write(tokens, pages)
+        if then is not None:
+            try:
+                then()
+            except Exception as e:  # noqa: BLE001 - an optimization for the next process
+                log.warning("after saving a stable tier: %s", e)
+
+    def _write(self, tokens: tuple, pages: dict) -> None:
         from safetensors.numpy import save_file
 
         arrays = {name: np.asarray(x) for name, x in pages.items()}

@@ -34,7 +34,7 @@ import jax
 from xlr_jax.loading.disk_cache import write_atomic
 
 log = logging.getLogger(__name__)
-_FRESH = threading.Lock()  # guards the two below
+_FRESH = threading.Condition()  # guards the two below; notified when no compile is fresh
 _fresh_compiles = 0  # compile_fresh calls running now
 _cache_was_enabled = True  # the persistent cache's switch before the first of them
 STORE_VERSION = 1
@@ -87,6 +87,15 @@ def compile_fresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         return lowered.compile()
 
 
+def compile_cached(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """Compile into JAX's persistent cache (for a later process), even from a thread
+    beside `compile_fresh` calls: waits until none runs, and holds new ones back until
+    done (they would switch the cache off halfway)."""
+    with _FRESH:
+        _FRESH.wait_for(lambda: _fresh_compiles == 0)
+        return lowered.compile()
+
+
 @contextlib.contextmanager
 def _persistent_cache_off():
     """The switch is global: the first compile in turns it off, the last out back on."""
@@ -107,6 +116,7 @@ def _persistent_cache_off():
             if _fresh_compiles == 0:
                 jax.config.update("jax_enable_compilation_cache", _cache_was_enabled)
                 reset_cache()
+                _FRESH.notify_all()
 
 
 def _file_name(key: tuple) -> str:

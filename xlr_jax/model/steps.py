@@ -125,10 +125,14 @@ class Steps:
         return exe
 
     def _scratch(self, key: tuple) -> StepBatch:
-        """A batch of the step `key` names that touches only the scratch page."""
+        """A batch of the step `key` names that touches only the scratch page. Its chunk
+        has one token, so the chunk's attention loop runs its body once: XLA:CPU builds
+        the pipelines of what a run executes, and a loop that runs no iteration would
+        leave the real prefill to build them."""
         _, rows, chunk = key
-        return StepBatch.empty(rows, chunk, self.buckets.table_width,
-                               self._zero_bias(rows, chunk))
+        batch = StepBatch.empty(rows, chunk, self.buckets.table_width,
+                                self._zero_bias(rows, chunk))
+        return batch.replace(chunk_len=np.int32(min(chunk, 1)))
 
     def all_logits(self, params, kv, tokens, start, num_new, block_tables):
         return self._all_logits(params, kv, tokens, start, num_new, block_tables)

@@ -29,13 +29,13 @@ import numpy as np
 
 from xlr_jax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
 from xlr_jax.kv.paged_kv import (PagedKV, PagePool, SequencePages, copy_pages, leaves, read_pages,
-                                 write_pages)
+                                 restore_lowering, write_pages)
 from xlr_jax.kv.prefix_cache import PrefixCache, tier_counts
 from xlr_jax.kv.tier_store import TierStore
 from xlr_jax.loading.tokenizer import Tokenizer
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import Params
-from xlr_jax.model.executables import ExecutableStore
+from xlr_jax.model.executables import ExecutableStore, compile_cached
 from xlr_jax.model.sampling import SamplingBatch, SamplingParams, sampler_for
 from xlr_jax.model.steps import Steps
 from xlr_jax.planning.mapper import (MAX_PINNED_SHARE, MAX_PREEMPTIONS, Buckets, ExecutionPlan,
@@ -629,7 +629,7 @@ class Engine:
     def apply_copies(self, copies: list[tuple[int, int]]) -> None:
         """Run the copy-on-write page copies `SequencePages.reserve` asked for."""
         if copies:
-            src, dst = (jnp.array(ids) for ids in zip(*copies))
+            src, dst = (np.asarray(ids, np.int32) for ids in zip(*copies))
             self.kv = copy_pages(self.kv, src, dst)
             for name, kv in self.draft_kvs.items():  # a draft model's KV on the same pages
                 self.draft_kvs[name] = copy_pages(kv, src, dst)
@@ -685,7 +685,9 @@ class Engine:
             return
         self._persisted.add(stable)
         n = -(-len(stable) // self.pool.page_size)
-        self.tier_store.save_async(stable, read_pages(self.kv, req.seq.pages[:n]))
+        lower = restore_lowering(self.kv, n)  # what the process restoring it will run
+        self.tier_store.save_async(stable, read_pages(self.kv, req.seq.pages[:n]),
+                                   then=lambda: [compile_cached(x) for x in lower()])
 
     def _publish(self, req: _Request, finished: bool) -> None:
         """Index what the request has written: its prompt once prefilled (with the stable
