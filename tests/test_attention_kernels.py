@@ -171,6 +171,27 @@ def test_kernel_random_shapes(page_size, head_dim, ratio, q_len, batch, data):
     check_both(*arrays)
 
 
+@pytest.mark.parametrize("window", [None, 37])
+def test_blocked_walk_reads_every_page_count_exactly(window):
+    """The XLA walk over blocks of 8 pages, then 2, then single pages (decode), or 2 at a
+    time (a chunk), for every length from one slot to the 24-page table and rows of
+    different lengths: each matches the dense reference."""
+    from xlr_jax.ops.paged_attention import paged_attention_blocked
+
+    page_size, width = 4, 24
+    for q_len in (1, 3):
+        for first in range(q_len, page_size * width + 1, 3):
+            lengths = [first, max(q_len, page_size * width - first + 1)]
+            q, k, v, tables, lens, positions = make_case(
+                first, batch=2, q_len=q_len, heads=6, kv_heads=2, head_dim=64,
+                page_size=page_size, lengths=lengths, table_width=width)
+            out = paged_attention_blocked(q, (k, v), tables, lens, positions,
+                                          pages_per_block=8, sliding_window=window)
+            ref = dense_attention(q, sequence_cache(k, tables), sequence_cache(v, tables),
+                                  np.asarray(lens), np.asarray(positions), window)
+            assert rel_err(out, ref) < TOL[jnp.float32], (q_len, lengths)
+
+
 def test_padding_query_that_sees_nothing_is_zero():
     q, k, v, tables, lengths, positions = make_case(
         3, batch=2, q_len=4, heads=4, kv_heads=2, head_dim=64, page_size=16,

@@ -33,7 +33,7 @@ KV_DTYPE_NAMES = {**DTYPE_NAMES, "int8": "int8", "fp8": "float8_e4m3fn",
 WAITING_PER_SLOT = 32      # default max_waiting per max_batch slot
 MAX_PREEMPTIONS = 2        # a request preempted this often is protected: it runs to the end
 MAX_PINNED_SHARE = 0.5     # stable tiers pinning more of the pool unpin LRU-first
-ATTN_BLOCK_PAGES = 4       # XLA attention reads a row's pages this many at a time
+ATTN_BLOCK_PAGES = 16      # XLA attention's largest piece of a row's pages
 
 
 @dataclass(frozen=True)
@@ -313,9 +313,9 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                       "to max_batch), a chunk alone (a power of two from 16 to "
                       "prefill_chunk), or a chunk beside max_batch rows (the chunk dominates "
                       f"its cost): {len(buckets.batch) + 2 * len(buckets.chunk)} executables "
-                      "in all; its attention walks only the pages each row sees, "
-                      f"{ATTN_BLOCK_PAGES} at a time, so the block-table width is not a shape "
-                      "to compile for. Speculative cycles and scoring keep block-table widths: "
+                      "in all; its attention walks only the pages each row sees (blocks of "
+                      f"{ATTN_BLOCK_PAGES}, then of {ATTN_BLOCK_PAGES // 4}, then single "
+                      "pages), so the block-table width is not a shape to compile for. Speculative cycles and scoring keep block-table widths: "
                       + ("every 2 pages to 32, then ~1.25x (XLA reads the whole width)"
                          if not gpu else "powers of two (the kernel skips unseen pages)"))
     step_tokens = batch + chunk
