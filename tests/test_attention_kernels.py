@@ -174,12 +174,13 @@ def test_kernel_random_shapes(page_size, head_dim, ratio, q_len, batch, data):
 @pytest.mark.parametrize("window", [None, 37])
 def test_blocked_walk_reads_every_page_count_exactly(window):
     """The XLA walk over blocks of 8 pages, then 2, then single pages (decode), or 2 at a
-    time (a chunk), for every length from one slot to the 24-page table and rows of
-    different lengths: each matches the dense reference."""
+    time (a chunk), for every length from one slot to a 24-page table and rows of
+    different lengths, and over an 8-page table (no 8-page blocks then): each matches
+    the dense reference."""
     from xlr_jax.ops.paged_attention import paged_attention_blocked
 
-    page_size, width = 4, 24
-    for q_len in (1, 3):
+    page_size = 4
+    for q_len, width in ((1, 24), (3, 24), (1, 8)):
         for first in range(q_len, page_size * width + 1, 3):
             lengths = [first, max(q_len, page_size * width - first + 1)]
             q, k, v, tables, lens, positions = make_case(

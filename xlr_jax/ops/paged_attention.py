@@ -261,8 +261,13 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
     walk = lambda lo, hi, start, pages, c: jax.lax.fori_loop(  # noqa: E731
         lo, hi, lambda i, c: piece(start + i * pages, pages, c), c)
     if decode:  # whole blocks, then small blocks, then single pages: no page past the end
-        start, first_block = 0, first
-        for size in (pages_per_block, small, 1):
+        # no piece as wide as the table: its slice would be the whole table, which XLA
+        # hoists out of the loop and gathers every step, even when the loop runs no
+        # iteration (decode at half speed with a 16-page table)
+        sizes = sorted({s for s in (pages_per_block, small) if s < block_tables.shape[1]} | {1},
+                       reverse=True)
+        start, first_block = 0, first * pages_per_block // sizes[0]
+        for size in sizes:
             n = (seen_pages - start) // size
             carry = walk(first_block, n, start, size, carry)
             start, first_block = start + n * size, 0
