@@ -5,9 +5,11 @@ Runs `xlr bench` on the xlr-jax engine of experiments/cpu_vs_transformers.toml a
 repeats) on the base commit (a temporary git worktree) and on this checkout, `--runs`
 times each, interleaved base/new, on one machine. Reports the medians of decode tok/s
 and TTFT, their ratios new/base, and whether both produced the same tokens.
-Target: decode ratio >= 0.95 and TTFT ratio <= 1.05.
+Target: decode ratio >= 0.95 and TTFT ratio <= 1.05. `--prompt-tokens N` runs the
+same at another context length (the attention walk reads a different number of pages).
 
 Run: python experiments/engine_no_slower.py --out experiments/results/ [--base REV] [--runs 3]
+     [--prompt-tokens N]
 (--quick: the config's [quick] sizes and one run each; a smoke test, not a measurement)
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -27,11 +30,13 @@ CONFIG = ROOT / "experiments" / "cpu_vs_transformers.toml"
 BASE = "8a9b053"  # the commit before issue 13 (the always-on engine)
 
 
-def engine_only_config(text: str) -> str:
-    """The config with its first engine only (xlr-jax) and no targets (they compare
-    against transformers)."""
+def engine_only_config(text: str, prompt_tokens: int | None) -> str:
+    """The config with its first engine only (xlr-jax), no targets (they compare against
+    transformers) and, if given, `prompt_tokens` in its [run] and [quick] sizes."""
     head, first, rest = text.partition("[[engines]]")
     engine = rest.split("[[engines]]")[0].split("[targets]")[0]
+    if prompt_tokens:
+        head = re.sub(r"(?m)^prompt_tokens = \d+", f"prompt_tokens = {prompt_tokens}", head)
     return head + first + engine
 
 
@@ -49,7 +54,7 @@ def bench(tree: Path, config: Path, out: Path, quick: bool) -> dict:
     engine = result["engines"]["xlr-jax"]
     return {"git": result["git"], "ttft_s": engine["ttft_s"],
             "decode_tokens_per_s": engine["decode_tokens_per_s"],
-            "token_ids": engine["token_ids"], "read_bandwidth_gbs": result.get("bandwidth")}
+            "token_ids": engine["token_ids"], "bandwidth": result.get("bandwidth")}
 
 
 def main(argv=None) -> dict:
@@ -57,6 +62,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="experiments/results", help="directory for the JSON")
     ap.add_argument("--base", default=BASE, help=f"the commit to compare with (default {BASE})")
     ap.add_argument("--runs", type=int, default=3, help="runs of each side, interleaved")
+    ap.add_argument("--prompt-tokens", type=int, help="prompt length (default: the config's)")
     ap.add_argument("--quick", action="store_true", help="[quick] sizes, one run each")
     args = ap.parse_args(argv)
     runs = 1 if args.quick else args.runs
@@ -70,7 +76,7 @@ def main(argv=None) -> dict:
                        cwd=ROOT, check=True, capture_output=True)
         try:
             config = tmp / "engine.toml"
-            config.write_text(engine_only_config(CONFIG.read_text()))
+            config.write_text(engine_only_config(CONFIG.read_text(), args.prompt_tokens))
             sides: dict[str, list] = {"base": [], "new": []}
             for _ in range(runs):
                 for side, tree in (("base", base_tree), ("new", ROOT)):
@@ -93,12 +99,15 @@ def main(argv=None) -> dict:
               "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "what": f"xlr bench on {CONFIG.name}'s xlr-jax engine alone, {runs} runs of "
                       f"each side interleaved: base {args.base}, new this checkout",
+              "prompt_tokens": args.prompt_tokens or "the config's",
               "environment": environment(uses_torch=False), "git": git_state(),
               "base": args.base, "quick": args.quick, "runs": sides, "summary": summary}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = out / f"engine_no_slower{'-quick' if args.quick else ''}-{stamp}.json"
+    tag = ("-quick" if args.quick else "") + (f"-p{args.prompt_tokens}" if args.prompt_tokens
+                                               else "")
+    path = out / f"engine_no_slower{tag}-{stamp}.json"
     path.write_text(json.dumps(result, indent=2))
     print(json.dumps({"out": str(path), **{k: v for k, v in summary.items()
                                            if k not in ("base", "new")}}))

@@ -3,6 +3,7 @@
 import argparse
 import json
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -117,3 +118,22 @@ def test_random_weight_engine_path(tmp_path):
     # untied: the embedding is only gathered, so it is left out of the bytes read per token
     assert tiny["roofline"]["weight_bytes_per_token"] == tiny["param_bytes"] - 512 * 64 * 4
     assert list(result["targets"]) == ["tiny.roofline_fraction"]
+
+
+def test_engine_no_slower_compares_two_commits_side_by_side(tmp_path):
+    """experiments/engine_no_slower.py --quick: the base commit (a worktree it adds and
+    removes) and this checkout each run the engine-only bench once, on the same tokens."""
+    out = subprocess.run([sys.executable, str(REPO / "experiments/engine_no_slower.py"),
+                          "--quick", "--prompt-tokens", "96", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (path,) = tmp_path.glob("engine_no_slower-quick-p96-*.json")
+    r = json.loads(path.read_text())
+    base, new = r["runs"]["base"][0], r["runs"]["new"][0]
+    assert base["git"]["sha"].startswith(r["base"]) and base["git"]["sha"] != new["git"]["sha"]
+    assert r["summary"]["same_tokens"] and len(new["token_ids"]) > 1
+    assert r["summary"]["decode_ratio_new_over_base"] == (
+        new["decode_tokens_per_s"] / base["decode_tokens_per_s"])
+    worktrees = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True,
+                               cwd=REPO).stdout
+    assert "xlr-no-slower-" not in worktrees  # the base worktree is gone again

@@ -27,7 +27,7 @@ import platform
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import jax
 
@@ -87,13 +87,17 @@ def compile_fresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         return lowered.compile()
 
 
-def compile_cached(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-    """Compile into JAX's persistent cache (for a later process), even from a thread
-    beside `compile_fresh` calls: waits until none runs, and holds new ones back until
-    done (they would switch the cache off halfway)."""
+def compile_for_later(lowerings: Callable[[], list[jax.stages.Lowered]]) -> None:
+    """Compile what `lowerings()` gives into JAX's persistent cache, for a later process
+    (nothing to do without a cache), even from a thread beside `compile_fresh` calls:
+    waits until none runs, and holds new ones back until done (they would switch the
+    cache off halfway)."""
+    if not jax.config.jax_compilation_cache_dir:
+        return
     with _FRESH:
         _FRESH.wait_for(lambda: _fresh_compiles == 0)
-        return lowered.compile()
+        for lowered in lowerings():
+            lowered.compile()
 
 
 @contextlib.contextmanager

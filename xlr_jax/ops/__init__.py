@@ -3,6 +3,7 @@
 The Pallas kernel itself is in `xlr_jax.ops.pallas_attention`, imported only where it runs:
 Pallas and Triton add ~0.1 s to every start.
 """
-from xlr_jax.ops.paged_attention import IMPLS, paged_attention, paged_attention_xla, resolve_impl
+from xlr_jax.ops.paged_attention import (IMPLS, paged_attention, paged_attention_xla,
+                                         resolve_impl, walk_sizes)
 
-__all__ = ["IMPLS", "paged_attention", "paged_attention_xla", "resolve_impl"]
+__all__ = ["IMPLS", "paged_attention", "paged_attention_xla", "resolve_impl", "walk_sizes"]

@@ -172,6 +172,19 @@ def paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions, *,
 
 
 
+def walk_sizes(pages_per_block: int, table_width: int) -> tuple[int, ...]:
+    """The pages a decode row's attention walk reads at a time, largest first: whole
+    blocks, quarter blocks, single pages. None as wide as the table: its slice would be
+    the whole table, which XLA hoists out of the loop and gathers every step, even when
+    the loop runs no iteration (decode at half speed with a 16-page table)."""
+    sizes = {s for s in (pages_per_block, quarter_block(pages_per_block)) if s < table_width}
+    return tuple(sorted(sizes | {1}, reverse=True))
+
+
+def quarter_block(pages_per_block: int) -> int:
+    return max(pages_per_block // 4, 1)
+
+
 def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
                             pages_per_block: int, kv_scales=None, sliding_window=None,
                             layer=None):
@@ -181,10 +194,10 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
     sees to the last, in loops with dynamic trip counts, so a block table may be as wide
     as the longest context and a short sequence still reads only its own few pages.
     On XLA:CPU each piece of the walk costs ~30 us beside its pages' gather (~20 us a
-    page), so decode (one query per row) walks whole blocks of `pages_per_block`
-    pages, then blocks of a quarter of that, then single pages: few pieces and no page
-    past the last seen (at 18 pages: 16 + 1 + 1). A chunk's products outweigh a piece's
-    cost: it walks quarter blocks in one loop (one loop body compiles faster).
+    page), so decode (one query per row) walks the pages in the sizes of `walk_sizes`:
+    few pieces and no page past the last seen (at 18 pages: 16 + 1 + 1). A chunk's
+    products outweigh a piece's cost: it walks quarter blocks in one loop (one loop body
+    compiles faster).
     `block_tables` must be a whole number of blocks wide.
     One query per sequence (decode) reads the gathered pages as they lie, [batch, pages,
     kv heads, slots, dim]: its queries are repeated per page, so every product is
@@ -202,10 +215,10 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
     q = q.astype(jnp.float32) * head_dim ** -0.5
     valid = q_positions >= 0
     last = jnp.max(jnp.where(valid, jnp.minimum(q_positions + 1, lengths[:, None]), 0))
-    first = 0
+    first_page = 0  # the first page any query sees
     if sliding_window is not None:
         lowest = jnp.min(jnp.where(valid, q_positions, jnp.iinfo(jnp.int32).max))
-        first = jnp.maximum(lowest - sliding_window + 1, 0) // (pages_per_block * page_size)
+        first_page = jnp.maximum(lowest - sliding_window + 1, 0) // page_size
     pick = (lambda x, idx: x[layer, idx]) if layer is not None else (lambda x, idx: x[idx])
     decode = q_len == 1
     if decode:  # [B, 1, kvh, group, D]: broadcast over a piece's pages
@@ -257,23 +270,17 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
     carry = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
              jnp.zeros((*rows, head_dim), jnp.float32))
     seen_pages = -(-last // page_size)
-    small = max(pages_per_block // 4, 1)
     walk = lambda lo, hi, start, pages, c: jax.lax.fori_loop(  # noqa: E731
         lo, hi, lambda i, c: piece(start + i * pages, pages, c), c)
-    if decode:  # whole blocks, then small blocks, then single pages: no page past the end
-        # no piece as wide as the table: its slice would be the whole table, which XLA
-        # hoists out of the loop and gathers every step, even when the loop runs no
-        # iteration (decode at half speed with a 16-page table)
-        sizes = sorted({s for s in (pages_per_block, small) if s < block_tables.shape[1]} | {1},
-                       reverse=True)
-        start, first_block = 0, first * pages_per_block // sizes[0]
-        for size in sizes:
+    if decode:  # each size's whole pieces from where the larger ones stopped
+        start = 0
+        for size in walk_sizes(pages_per_block, block_tables.shape[1]):
             n = (seen_pages - start) // size
-            carry = walk(first_block, n, start, size, carry)
-            start, first_block = start + n * size, 0
-    else:  # a chunk's products outweigh a piece's fixed cost: small blocks, one loop
-        carry = walk(first * (pages_per_block // small), -(-seen_pages // small), 0, small,
-                     carry)
+            carry = walk(jnp.maximum(first_page - start, 0) // size, n, start, size, carry)
+            start = start + n * size
+    else:
+        quarter = quarter_block(pages_per_block)
+        carry = walk(first_page // quarter, -(-seen_pages // quarter), 0, quarter, carry)
     _, total, acc = carry
     out = acc / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]
     if decode:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from xlr_jax.errors import PlanError
 from xlr_jax.kv.paged_kv import is_quantized
 from xlr_jax.model.config import ModelConfig
-from xlr_jax.ops import IMPLS
+from xlr_jax.ops import IMPLS, walk_sizes
 from xlr_jax.planning.hardware import HardwareProfile
 
 log = logging.getLogger(__name__)
@@ -313,9 +313,10 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                       "to max_batch), a chunk alone (a power of two from 16 to "
                       "prefill_chunk), or a chunk beside max_batch rows (the chunk dominates "
                       f"its cost): {len(buckets.batch) + 2 * len(buckets.chunk)} executables "
-                      "in all; its attention walks only the pages each row sees (blocks of "
-                      f"{ATTN_BLOCK_PAGES}, then of {ATTN_BLOCK_PAGES // 4}, then single "
-                      "pages), so the block-table width is not a shape to compile for. Speculative cycles and scoring keep block-table widths: "
+                      "in all; its attention walks only the pages each row sees (a decode "
+                      f"row {walk_sizes(buckets.attn_block, buckets.table_width)} pages at a "
+                      "time), so the block-table width is not a shape to compile for. "
+                      "Speculative cycles and scoring keep block-table widths: "
                       + ("every 2 pages to 32, then ~1.25x (XLA reads the whole width)"
                          if not gpu else "powers of two (the kernel skips unseen pages)"))
     step_tokens = batch + chunk

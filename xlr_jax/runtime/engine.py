@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Iterator
 
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from xlr_jax.kv.tier_store import TierStore
 from xlr_jax.loading.tokenizer import Tokenizer
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import Params
-from xlr_jax.model.executables import ExecutableStore, compile_cached
+from xlr_jax.model.executables import ExecutableStore, compile_for_later
 from xlr_jax.model.sampling import SamplingBatch, SamplingParams, sampler_for
 from xlr_jax.model.steps import Steps
 from xlr_jax.planning.mapper import (MAX_PINNED_SHARE, MAX_PREEMPTIONS, Buckets, ExecutionPlan,
@@ -685,9 +686,9 @@ class Engine:
             return
         self._persisted.add(stable)
         n = -(-len(stable) // self.pool.page_size)
-        lower = restore_lowering(self.kv, n)  # what the process restoring it will run
+        # then what the process restoring it will run, into JAX's cache
         self.tier_store.save_async(stable, read_pages(self.kv, req.seq.pages[:n]),
-                                   then=lambda: [compile_cached(x) for x in lower()])
+                                   then=partial(compile_for_later, restore_lowering(self.kv, n)))
 
     def _publish(self, req: _Request, finished: bool) -> None:
         """Index what the request has written: its prompt once prefilled (with the stable
