@@ -194,8 +194,9 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
     sees to the last, in loops with dynamic trip counts, so a block table may be as wide
     as the longest context and a short sequence still reads only its own few pages.
     On XLA:CPU each piece of the walk costs ~30 us beside its pages' gather (~20 us a
-    page), so decode (one query per row) walks the pages in the sizes of `walk_sizes`:
-    few pieces and no page past the last seen (at 18 pages: 16 + 1 + 1). A chunk's
+    page), so decode (one query per row) walks the pages in the sizes of `walk_sizes`,
+    each size's last piece reading up to a quarter of itself past the last seen page:
+    few pieces, few pages over (14 pages: one of 16; 18: 16 + 1 + 1; 30: 16 + 16). A chunk's
     products outweigh a piece's cost: it walks quarter blocks in one loop (one loop body
     compiles faster).
     `block_tables` must be a whole number of blocks wide.
@@ -272,10 +273,14 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
     seen_pages = -(-last // page_size)
     walk = lambda lo, hi, start, pages, c: jax.lax.fori_loop(  # noqa: E731
         lo, hi, lambda i, c: piece(start + i * pages, pages, c), c)
-    if decode:  # each size's whole pieces from where the larger ones stopped
-        start = 0
-        for size in walk_sizes(pages_per_block, block_tables.shape[1]):
-            n = (seen_pages - start) // size
+    if decode:  # each size's pieces from where the larger ones stopped
+        start, width = 0, block_tables.shape[1]
+        for size in walk_sizes(pages_per_block, width):
+            rest = jnp.maximum(seen_pages - start, 0)
+            # one piece more when it reads at most a quarter of itself past the end: a
+            # few unseen pages cost less than the smaller pieces that would cover them
+            n = rest // size + (rest % size >= size - max(size // 4, 1)) * (size > 1)
+            n = jnp.minimum(n, (width - start) // size)  # inside the table
             carry = walk(jnp.maximum(first_page - start, 0) // size, n, start, size, carry)
             start = start + n * size
     else:
