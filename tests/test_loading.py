@@ -214,6 +214,25 @@ def test_compiled_steps_are_kept_apart_by_what_shapes_them(tiny, tmp_path):
     assert len(_steps_dirs(tmp_path)) == 3  # compile options and the KV pool each count
 
 
+def test_compiled_steps_are_keyed_by_the_whole_packages_source(tmp_path):
+    """An edit in any module a step's code comes from (attention in ops/, the batch in
+    runtime/, pages in kv/) keys new executables: a stale one never runs."""
+    import shutil
+
+    from xlr_jax.model.executables import PACKAGE_ROOT, code_digest
+
+    assert PACKAGE_ROOT == Path(xlr_jax.__file__).parent
+    copy = tmp_path / "xlr_jax"
+    shutil.copytree(PACKAGE_ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    digest = code_digest.__wrapped__  # uncached: the copy changes
+    assert digest(copy) == code_digest()
+    for module in ("ops/paged_attention.py", "runtime/step_batch.py", "kv/paged_kv.py"):
+        before = digest(copy)
+        with open(copy / module, "a") as f:
+            f.write("# edited\n")
+        assert digest(copy) != before, module
+
+
 AGENT_RUN = COUNT_COMPILES + textwrap.dedent("""
     import xlr_jax
     model = xlr_jax.load_model(sys.argv[1], cache_dir=sys.argv[2], max_context=1024)

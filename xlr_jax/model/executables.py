@@ -41,11 +41,14 @@ STORE_VERSION = 1
 PRELOAD_LIMIT = 8  # a longer session's other steps load when first needed
 
 
-@functools.lru_cache(maxsize=1)
-def _code_digest() -> str:
-    """This package's source: an edited step must not run an old executable."""
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # xlr_jax/, not this module's folder
+
+
+@functools.lru_cache(maxsize=4)
+def code_digest(root: Path = PACKAGE_ROOT) -> str:
+    """The package's whole source: a step's code spans model/, ops/, kv/, runtime/...,
+    and an edit anywhere in it must not run an old executable."""
     h = hashlib.sha256()
-    root = Path(__file__).parent
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
@@ -73,7 +76,7 @@ def fingerprint(options, *example_args) -> str:
     text = json.dumps([STORE_VERSION, jax.__version__, jaxlib.__version__,
                        devices[0].client.platform, devices[0].client.platform_version,
                        [d.device_kind for d in devices], platform.machine(), _cpu_features(),
-                       _code_digest(), options, str(jax.tree.structure(example_args)), layout])
+                       code_digest(), options, str(jax.tree.structure(example_args)), layout])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
