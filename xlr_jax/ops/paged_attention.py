@@ -24,6 +24,8 @@ XLA elsewhere (XLA:CPU runs the reference faster than interpreted kernels).
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -96,13 +98,21 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
 
 def _padded_xla(q, k_pages, v_pages, k_scales, v_scales, layer, block_tables, lengths,
                 q_positions, sliding_window):
-    if layer is not None:
-        k_pages, v_pages = k_pages[layer], v_pages[layer]
-        if k_scales is not None:
-            k_scales, v_scales = k_scales[layer], v_scales[layer]
     return paged_attention_xla(q, (k_pages, v_pages), block_tables, lengths, q_positions,
                                kv_scales=None if k_scales is None else (k_scales, v_scales),
-                               sliding_window=sliding_window)
+                               sliding_window=sliding_window, layer=layer)
+
+
+def gather_pages(pages, table, layer=None):
+    """The pages `table` lists (any shape of page ids), of `layer` when `pages` holds
+    every layer: [*table.shape, *one page's shape]. Gathered as rows of a 2-D view, a
+    page a row: XLA:CPU copies contiguous rows faster than it gathers the same pages
+    from the 5-D layout (batch-1 decode 4% faster at 1,000-1,800 tokens, measured)."""
+    lead = 0 if layer is None else 1
+    page_shape = pages.shape[lead + 1:]
+    rows = pages.reshape(-1, math.prod(page_shape))
+    ids = table if layer is None else layer * pages.shape[1] + table
+    return rows[ids].reshape(*table.shape, *page_shape)
 
 
 def _softmax_product(scores, visible, v, spec):
@@ -121,19 +131,19 @@ def _softmax_product(scores, visible, v, spec):
 
 
 def paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions, *,
-                        kv_scales=None, sliding_window=None):
+                        kv_scales=None, sliding_window=None, layer=None):
     """Reference (padded q): gather the block table's pages, masked softmax in f32."""
     k_pages, v_pages = kv_pages
     batch, q_len, num_heads, head_dim = q.shape
-    _, kv_heads, page_size, _ = k_pages.shape
+    kv_heads, page_size = k_pages.shape[-3], k_pages.shape[-2]
     group = num_heads // kv_heads
     pages = block_tables.shape[1]
     out_dtype = q.dtype
     # whole pages, in block-table order: [batch, pages, kv_heads, page_size, head_dim]
-    k, v = k_pages[block_tables], v_pages[block_tables]
+    k, v = (gather_pages(x, block_tables, layer) for x in kv_pages)
     if kv_scales is not None:
-        k = k.astype(jnp.float32) * kv_scales[0][block_tables][..., None]
-        v = v.astype(jnp.float32) * kv_scales[1][block_tables][..., None]
+        k = k.astype(jnp.float32) * gather_pages(kv_scales[0], block_tables, layer)[..., None]
+        v = v.astype(jnp.float32) * gather_pages(kv_scales[1], block_tables, layer)[..., None]
         q = q.astype(jnp.float32)
     q = q * jnp.asarray(head_dim ** -0.5, q.dtype)
 
@@ -220,7 +230,6 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
     if sliding_window is not None:
         lowest = jnp.min(jnp.where(valid, q_positions, jnp.iinfo(jnp.int32).max))
         first_page = jnp.maximum(lowest - sliding_window + 1, 0) // page_size
-    pick = (lambda x, idx: x[layer, idx]) if layer is not None else (lambda x, idx: x[idx])
     decode = q_len == 1
     if decode:  # [B, 1, kvh, group, D]: broadcast over a piece's pages
         qs = q.reshape(batch, 1, kv_heads, group, head_dim)
@@ -234,10 +243,10 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
         peak, total, acc = carry
         span = pages * page_size
         table = jax.lax.dynamic_slice_in_dim(block_tables, start, pages, axis=1)
-        k, v = pick(k_pages, table), pick(v_pages, table)   # [B, P, kvh, ps, D]
+        k, v = (gather_pages(x, table, layer) for x in kv_pages)   # [B, P, kvh, ps, D]
         if kv_scales is not None:
-            k = k.astype(jnp.float32) * pick(kv_scales[0], table)[..., None]
-            v = v.astype(jnp.float32) * pick(kv_scales[1], table)[..., None]
+            k = k.astype(jnp.float32) * gather_pages(kv_scales[0], table, layer)[..., None]
+            v = v.astype(jnp.float32) * gather_pages(kv_scales[1], table, layer)[..., None]
         pos = start * page_size + jnp.arange(span, dtype=jnp.int32)
         seen = (pos <= q_positions[..., None]) & (pos < lengths[:, None, None])
         if sliding_window is not None:
