@@ -105,6 +105,33 @@ def test_speculation_runs_beside_other_requests(model):
     _idle(model)
 
 
+def test_smc_requests_share_their_cycles(model):
+    """SMC requests of one configuration running at once are the rows of one batched cycle
+    (a target pass for all their particles): together they take fewer cycles than alone,
+    and each output equals its solo run."""
+    reqs = [dict(prompt=PROMPTS[i], max_tokens=12, ignore_eos=True, temperature=0.8,
+                 seed=i, speculative=SMC) for i in (0, 1)]
+
+    def cycles(run) -> tuple[int, list]:
+        before = model.stats()["speculative"]["cycles"]
+        out = run()
+        return model.stats()["speculative"]["cycles"] - before, out
+
+    alone = [cycles(lambda r=r: _generate(model, r).token_ids) for r in reqs]
+
+    def together():
+        handles = []
+        for r in reqs:
+            args = dict(r)
+            handles.append(model.submit(args.pop("prompt"), **args))
+        return [h.result().token_ids for h in handles]
+
+    shared, got = cycles(together)
+    assert got == [tokens for _, tokens in alone]
+    assert shared < sum(n for n, _ in alone), (shared, [n for n, _ in alone])
+    _idle(model)
+
+
 def _stream_with_a_long_newcomer(model, word: str) -> tuple[list[float], float, float]:
     """Stream 48 tokens; after the 5th, submit a 2,000-token prompt (made of `word`s).
     Returns the stream's token times, when the newcomer was submitted and when its first

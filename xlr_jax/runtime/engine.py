@@ -140,8 +140,10 @@ class _Request:
 
     @property
     def decoding(self) -> bool:
-        """Prefilled and holding a token to feed: the request takes decode rows now."""
-        return bool(self.generated) and self.prefilled == self.context_len
+        """Prefilled and holding a token to feed: the request takes decode rows now. An
+        SMC request is, once its particles carry it (its own pages went to them)."""
+        return self.smc is not None or (bool(self.generated)
+                                        and self.prefilled == self.context_len)
 
     @property
     def context_len(self) -> int:
@@ -291,7 +293,8 @@ class Engine:
         self._step_times: deque = deque(maxlen=256)  # seconds of the last plain steps
         self._last_accept = 0.0
         # speculative totals over every request: draft_tokens, accepted_tokens, target_passes
-        self.speculation = dict.fromkeys(("draft_tokens", "accepted_tokens", "target_passes"), 0)
+        self.speculation = dict.fromkeys(
+            ("draft_tokens", "accepted_tokens", "target_passes", "cycles"), 0)
         # check the page pool's invariants after every step (slow; tests turn it on)
         self.debug_checks = os.environ.get("XLR_DEBUG_CHECKS") == "1"
 
@@ -405,6 +408,10 @@ class Engine:
             finally:  # also when the caller abandons a stream: give every page back
                 for r in list(waiting) + active:
                     self.release(r)
+
+    def count_cycle(self) -> None:
+        """Add one batched speculative cycle (one target pass over all its rows)."""
+        self.speculation["cycles"] += 1
 
     def count_speculation(self, draft_tokens: int, accepted_tokens: int) -> None:
         """Add one speculative target pass of a row to the engine's totals."""

@@ -4,8 +4,8 @@ Speculating requests live in the engine's one loop beside plain ones (see
 `Engine.serve`): they prefill in its ragged steps and sample their first token
 there; then, between plain steps, `SpecRunner.run` gives each of them one cycle.
 Exact-speculation requests with the same configuration are the rows of one batched
-cycle. Each SMC request runs one cycle of its own particles (`SmcRun`); several run
-at once, cycle by cycle. The particles start as forks of the prefilled request
+cycle; so are the particles of SMC requests with the same configuration (`SmcRun`, one
+population per request), as many populations as the largest batch holds. The particles start as forks of the prefilled request
 (sharing its pages). Before each cycle their number N follows the pages nobody else
 is promised, both ways: it shrinks by resampling (re-pointing block tables: forks of
 the ancestors; a shared partial last page is copied on its next write) and grows by
@@ -58,7 +58,8 @@ class SpecRunner:
 
     def run(self, reqs, promised: int):
         """One cycle for each of `reqs` (decoding, speculating, running): exact ones of
-        one configuration batched, each SMC request its own. `promised`: pages the other
+        one configuration batched, and SMC populations of one configuration batched.
+        `promised`: pages the other
         running requests may still take (SMC particles leave them alone). Yields the
         engine's (index, piece, result) events."""
         exact, smc = [], []
@@ -69,17 +70,52 @@ class SpecRunner:
             group = [r for r in exact if (r.spec, r.draft) == (exact[0].spec, exact[0].draft)]
             exact = [r for r in exact if r not in group]
             yield from self._exact(group)
-        for r in smc:
-            if r.smc is None:  # its first cycle
-                r.smc = SmcRun(r)
-            yield from r.smc.cycle(self, promised - self.engine.owed_pages(r))
+        if smc:
+            yield from self._smc(smc, promised)
+
+    def _smc(self, reqs, promised: int):
+        """One cycle of each SMC request's population. Populations of one method (SMC, or
+        exact while on probation or fallen back) and one (configuration, draft) are the
+        rows of one batched cycle, as many as the largest batch holds. Each population
+        sizes itself from the pages nobody else is promised, in turn, and takes its
+        cycle's pages at once, so the next one sees what is left."""
+        runs = []
+        try:
+            for r in reqs:
+                if r.smc is None:  # its first cycle
+                    r.smc = SmcRun(r)
+                runs.append(r.smc)
+                elsewhere = promised - self.engine.owed_pages(r)
+                r.smc.prepare(self, self.engine.pool.num_available - elsewhere)
+            pending = [run for run in runs if run.rows]
+            while pending:
+                group, rows = [], 0
+                for run in pending:
+                    if run.key == pending[0].key and rows + len(run.rows) <= self.engine.buckets.batch[-1]:
+                        group.append(run)
+                        rows += len(run.rows)
+                pending = [run for run in pending if run not in group]
+                salts = None if group[0].single else [s for run in group for s in run.live]
+                out = self.cycle([p for run in group for p in run.rows],
+                                 "exact" if group[0].single else "smc", salts)
+                start = 0
+                for run in group:
+                    run.absorb(out.part(start, start + len(run.rows)))
+                    start += len(run.rows)
+        except BaseException:
+            for run in runs:
+                run.release()  # idempotent: the engine then releases their requests too
+            raise
+        for run in runs:
+            if run.ended:
+                yield from run.finish(self.engine)
 
     # ------------------------------------------------------------ one cycle
 
     def cycle(self, rows, method: str, salts=None) -> "_Cycle":
         """Run one cycle over `rows` (requests, or one request's particles)."""
         e, spec, draft = self.engine, rows[0].spec, rows[0].draft
-        budgets = [min(spec.gamma, r.limit - len(r.generated) - 1) for r in rows]  # max_tokens
+        budgets = self.budgets(rows)
         guesses = None
         if draft.kind == "tokens":
             guesses = [draft.propose(r.prompt_ids + r.generated, b)
@@ -90,6 +126,7 @@ class SpecRunner:
         # host proposals vary in number: verify only as many positions as the longest needs
         gamma = (pick_bucket(max(*budgets, 1), powers_of_two_upto(spec.gamma)) if guesses
                  else spec.gamma)
+        self.reserve(rows, budgets)
         n = pick_bucket(len(rows), e.buckets.batch)
         last = np.zeros(n, np.int32)
         positions = np.zeros(n, np.int32)
@@ -100,7 +137,6 @@ class SpecRunner:
             if guesses:
                 proposed[j, :budgets[j]] = guesses[j]
             num_draft[j] = budgets[j]
-            e.apply_copies(r.seq.reserve(r.seq.length + budgets[j] + 1))
             positions[j], last[j] = r.seq.length, r.generated[-1]
             salt[j] = salts[j] if salts else 0
         sampling, sampler = e.sampling(rows, n, [len(r.generated) for r in rows])
@@ -109,6 +145,7 @@ class SpecRunner:
             e.params, e.kv, draft, e.draft_kvs.get(name), last, positions, proposed,
             num_draft, e.block_tables(rows, n), sampling, salt, gamma=gamma, method=method,
             sampler=sampler)
+        e.count_cycle()
         if name:
             e.draft_kvs[name] = draft_kv
         accepted, nxt, drafts = np.asarray(accepted), np.asarray(nxt), np.asarray(drafts)
@@ -125,6 +162,17 @@ class SpecRunner:
         rows_n = len(rows)
         return _Cycle(kept, num_draft[:rows_n], np.asarray(log_p)[:rows_n],
                       np.asarray(log_q)[:rows_n], np.asarray(agreement)[:rows_n])
+
+    @staticmethod
+    def budgets(rows) -> list[int]:
+        """The draft positions each row may verify in a cycle: gamma, within max_tokens."""
+        return [min(r.spec.gamma, r.limit - len(r.generated) - 1) for r in rows]
+
+    def reserve(self, rows, budgets: list[int]) -> None:
+        """Pages for every position a cycle may write: the rows' last tokens and their
+        drafts (what rejected tokens used is trimmed after it)."""
+        for r, b in zip(rows, budgets):
+            self.engine.apply_copies(r.seq.reserve(r.seq.length + b + 1))
 
     def _decode(self, rows) -> "_Cycle":
         """One plain step (the engine's) for rows with nothing proposed."""
@@ -189,6 +237,8 @@ class SmcRun:
         self.particles, self.log_w = [req], np.zeros(1)
         self.watch = SmcWatch(req.spec.min_agreement)
         self.draws = 0  # resample keys used: every resample its own
+        # this cycle's: one particle (exact)?, the live particles' indices, and they
+        self.single, self.live, self.rows = True, [], []
 
     def most_pages(self) -> int:
         return max(len(p.seq.pages) for p in self.particles)
@@ -208,17 +258,59 @@ class SmcRun:
         for p in self.particles:
             p.seq.release()
 
-    def cycle(self, runner: SpecRunner, promised_elsewhere: int):
-        """One cycle: N from the free pages not `promised_elsewhere` (to other running
-        requests), resample or split, propose and weigh; at the end, the answer. Yields
-        engine events."""
-        req, watch, e = self.req, self.watch, runner.engine
-        try:
-            if self._step(runner, e.pool.num_available - promised_elsewhere):
-                return
-        except BaseException:
-            self.release()  # idempotent: the engine then releases `req` too
-            raise
+    @property
+    def key(self) -> tuple:
+        """Populations with equal keys share a batched cycle."""
+        return self.single, self.req.spec, self.req.draft
+
+    def prepare(self, runner: SpecRunner, free: int) -> None:
+        """Before a cycle: N from `free` pages (none promised to other requests), resample
+        or split to it, and take the pages the live particles (`rows`) may write."""
+        spec, watch = self.req.spec, self.watch
+        # N follows free pages both ways: shrink by resampling, grow by splitting
+        n = 1 if watch.single else runner.particle_count(self.req, self.particles, free)
+        degenerate = float(ess(self.log_w)) < spec.ess_threshold * len(self.particles)
+        if degenerate or n < len(self.particles):
+            self._resample(n, degenerate)
+        elif n > len(self.particles):
+            parents, self.log_w = split(self.log_w, n, [p.finish_reason is None
+                                                        for p in self.particles])
+            self.particles = _repoint(self.particles, parents)
+        # with one particle a cycle is plain exact speculation, unsalted
+        self.single = len(self.particles) == 1
+        self.live = [j for j, p in enumerate(self.particles) if p.finish_reason is None]
+        self.rows = [self.particles[j] for j in self.live]
+        if self.rows:  # none: resampled onto finished particles only
+            watch.particles.append(len(self.particles))
+            runner.reserve(self.rows, runner.budgets(self.rows))
+
+    def absorb(self, out: "_Cycle") -> None:
+        """After its cycle: each live particle takes its tokens, and the drafts it kept
+        weigh it."""
+        now = time.perf_counter()
+        taken = np.zeros(len(self.rows), np.int64)
+        for j, (p, toks) in enumerate(zip(self.rows, out.kept)):
+            piece, taken[j] = _take(p, toks, now)
+            p.pending += piece
+        # the drafts each particle kept, up to its stop (exact: up to the first
+        # rejection, whose context still follows p)
+        counted = np.minimum(taken, out.num_draft)
+        if self.single:
+            self.watch.observe_exact(out.agreement[0], int(counted[0]))
+        else:  # weigh the drafts each particle kept
+            increment = block_increment(out.log_p, out.log_q, counted)
+            self.log_w[self.live] += increment
+            self.watch.observe_smc(increment, out.agreement, counted)
+
+    @property
+    def ended(self) -> bool:
+        """Every particle ended (or a resample landed only on ended ones)."""
+        return not self.rows or all(p.finish_reason is not None for p in self.particles)
+
+    def finish(self, engine):
+        """The answer: one particle drawn by weight; the others give their pages back.
+        Yields the engine's events."""
+        req, watch = self.req, self.watch
         watch.log_z += float(log_mean_weight(self.log_w))
         chosen = self.particles[int(pick_answer(self.answer_key,
                                                 self.log_w.astype(np.float32)))]
@@ -231,44 +323,7 @@ class SmcRun:
                             for p, lw in zip(self.particles, weights)]
         _summarize(chosen)
         req.finish_reason = chosen.finish_reason
-        yield from e.finished([chosen], [chosen.pending])
-
-    def _step(self, runner: SpecRunner, free: int) -> bool:
-        """Resample or split to this cycle's N and run it; False once every particle
-        ended (or a resample landed only on ended ones)."""
-        spec, watch = self.req.spec, self.watch
-        # N follows free pages both ways: shrink by resampling, grow by splitting
-        n = 1 if watch.single else runner.particle_count(self.req, self.particles, free)
-        degenerate = float(ess(self.log_w)) < spec.ess_threshold * len(self.particles)
-        if degenerate or n < len(self.particles):
-            self._resample(n, degenerate)
-        elif n > len(self.particles):
-            parents, self.log_w = split(self.log_w, n, [p.finish_reason is None
-                                                        for p in self.particles])
-            self.particles = _repoint(self.particles, parents)
-        particles = self.particles
-        live = [j for j, p in enumerate(particles) if p.finish_reason is None]
-        if not live:  # resampled onto finished particles only
-            return False
-        rows = [particles[j] for j in live]
-        watch.particles.append(len(particles))
-        single = len(particles) == 1  # plain exact speculation, unsalted
-        out = runner.cycle(rows, "exact" if single else "smc", salts=None if single else live)
-        now = time.perf_counter()
-        taken = np.zeros(len(rows), np.int64)
-        for j, (p, toks) in enumerate(zip(rows, out.kept)):
-            piece, taken[j] = _take(p, toks, now)
-            p.pending += piece
-        # the drafts each particle kept, up to its stop (exact: up to the first
-        # rejection, whose context still follows p)
-        counted = np.minimum(taken, out.num_draft)
-        if single:
-            watch.observe_exact(out.agreement[0], int(counted[0]))
-        else:  # weigh the drafts each particle kept
-            increment = block_increment(out.log_p, out.log_q, counted)
-            self.log_w[live] += increment
-            watch.observe_smc(increment, out.agreement, counted)
-        return any(p.finish_reason is None for p in particles)
+        yield from engine.finished([chosen], [chosen.pending])
 
 
 def _take(r, tokens: list[int], now: float) -> tuple[str, int]:
@@ -326,6 +381,12 @@ class _Cycle:
     def __init__(self, kept, num_draft, log_p, log_q, agreement):
         self.kept, self.num_draft = kept, num_draft
         self.log_p, self.log_q, self.agreement = log_p, log_q, agreement
+
+    def part(self, start: int, stop: int) -> "_Cycle":
+        """Rows [start, stop): one population's share of a batched cycle."""
+        return _Cycle(self.kept[start:stop], self.num_draft[start:stop],
+                      self.log_p[start:stop], self.log_q[start:stop],
+                      self.agreement[start:stop])
 
     @classmethod
     def plain(cls, kept) -> "_Cycle":
