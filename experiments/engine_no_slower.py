@@ -67,23 +67,17 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     runs = 1 if args.quick else args.runs
 
-    from xlr_jax.bench.run import environment, git_state
+    from xlr_jax.bench.run import environment, git_state, git_worktree
 
-    with tempfile.TemporaryDirectory(prefix="xlr-no-slower-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="xlr-no-slower-") as tmp, \
+            git_worktree(ROOT, args.base, Path(tmp) / "base") as (base_tree, _):
         tmp = Path(tmp)
-        base_tree = tmp / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", "-f", str(base_tree), args.base],
-                       cwd=ROOT, check=True, capture_output=True)
-        try:
-            config = tmp / "engine.toml"
-            config.write_text(engine_only_config(CONFIG.read_text(), args.prompt_tokens))
-            sides: dict[str, list] = {"base": [], "new": []}
-            for _ in range(runs):
-                for side, tree in (("base", base_tree), ("new", ROOT)):
-                    sides[side].append(bench(tree, config, tmp / side, args.quick))
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT,
-                           capture_output=True)
+        config = tmp / "engine.toml"
+        config.write_text(engine_only_config(CONFIG.read_text(), args.prompt_tokens))
+        sides: dict[str, list] = {"base": [], "new": []}
+        for _ in range(runs):
+            for side, tree in (("base", base_tree), ("new", ROOT)):
+                sides[side].append(bench(tree, config, tmp / side, args.quick))
 
     med = {side: {key: statistics.median(r[key] for r in rs)
                   for key in ("decode_tokens_per_s", "ttft_s")} for side, rs in sides.items()}

@@ -1,6 +1,7 @@
 """Online serving on the embedded model: Poisson arrivals at several request rates, through the
-always-on engine (`model.submit`, streamed) and through today's path (a thread per request
-calling `model.generate`), side by side.
+always-on engine (`model.submit`, streamed) and through the path before it (a thread per request
+calling `model.generate` on the commit before issue 13, whose engine served one call at a time),
+side by side.
 
 Workload: one seeded set of requests, replayed at every rate (only the arrival times scale with
 1/rate, so the rates differ in load alone): inter-arrival gaps exponential (a Poisson process),
@@ -8,34 +9,42 @@ prompts log-uniform in 64-2,048 tokens, outputs log-uniform in 16-256 tokens, gr
 ignored (every request decodes exactly its output length). A prompt is a window of the passage
 of experiments/cpu_vs_transformers.toml, tiled, starting at a random offset, as token ids. The
 model is loaded with the prefix cache off: both paths prefill every prompt in full, whatever ran
-before. Every step shape is compiled before anything is timed.
+before. Nothing is timed before every shape a path needs is compiled.
 
-Paths, on the same loaded model, one after the other at each rate:
-  engine   one driver thread submits each request at its arrival time; a consumer thread per
-           request iterates `handle.tokens()`, timestamping every token as it arrives
-  threads  a thread per request sleeps until its arrival time, then calls `generate`
+Paths, at each rate one after the other:
+  engine   this checkout, in this process: one driver thread submits each request at its
+           arrival time; a consumer thread per request iterates `handle.tokens()`,
+           timestamping every token as it arrives
+  threads  the base commit (--base, default the one before issue 13), in a worker process on a
+           temporary git worktree with its own cache directory: a thread per request sleeps
+           until its arrival time, then calls `generate`; warmed up by running every request
+           of the workload once, alone (its engine compiles each shape on first use)
 Per request, both paths alike: TTFT = from the scheduled arrival to the first token (the call's
-start plus metrics["ttft_s"], so time a request waited before its call counts), ITL = its mean
-inter-token gap (metrics["itl_s"]), latency = arrival to the call's return. Per rate and path:
-throughput (completion tokens / (last return - first arrival)), TTFT, ITL and latency p50/p99
-over requests, and for the engine path the p50/p99 of every streamed inter-token gap; the
-engine/threads ratio of each. Each run is bounded by --timeout: at the deadline the model is
-shut down (a `generate` call has no handle to cancel), requests in flight end "abort" and are
-counted, later arrivals are never issued, and the model is loaded again for the next run.
+return minus its decode time, metrics total_s - ttft_s, so time a request waited before its
+call or for a lock counts), ITL = its mean inter-token gap (metrics["itl_s"]), latency =
+arrival to the call's return. Per rate and path: throughput (completion tokens / (last return -
+first arrival)), TTFT, ITL and latency p50/p99 over requests, and for the engine path the
+p50/p99 of every streamed inter-token gap; the engine/threads ratio of each. Each run is bounded
+by --timeout: at the deadline the engine is shut down (requests in flight end "abort" and are
+counted, later arrivals are never issued, and the model is loaded again for the next run); a
+base worker past its deadline reports what returned and is replaced by a fresh one.
 
-Both paths reach the same scheduler (`generate` is `submit` plus `result()`); they differ in
-how a caller makes and follows a request. Targets: none; this records the serving curve of both.
-Duration on a 2-core CPU: ~10 minutes (with seed 0 the arrivals alone span 7.3 minutes over
-both paths), plus ~5 minutes compiling the 29 step shapes on a new cache directory. --quick
-(tiny shapes, 2 rates of 6 requests) takes about a minute on a new cache directory, most of it
-compiling; it is a smoke test, not a measurement.
+Targets: none; this records the serving curve of both. Duration on a 2-core CPU: ~15 minutes
+(with seed 0 the arrivals alone span 7.3 minutes over both paths), plus ~5 minutes compiling
+the 14 step shapes on a new cache directory and the base worker's conversion and warm-up.
+--quick (tiny shapes, 2 rates of 6 requests) takes about two minutes on a new cache directory,
+most of it compiling; it is a smoke test, not a measurement.
 
-Run: python experiments/online_engine.py [--out experiments/results] [--quick]
+Run: python experiments/online_engine.py [--out experiments/results] [--quick] [--base REV]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import tomllib
@@ -44,7 +53,9 @@ from pathlib import Path
 
 import numpy as np
 
+ROOT = Path(__file__).resolve().parent.parent
 PASSAGE = Path(__file__).with_name("cpu_vs_transformers.toml")
+BASE = "8a9b053"  # the commit before issue 13 (the always-on engine)
 FULL = dict(rates=[0.15, 0.3, 0.6, 1.2], requests=12, prompt=(64, 2048), output=(16, 256),
             timeout=300.0, load={})
 # tiny shapes: 5 step executables to compile, 6 short requests per rate
@@ -84,7 +95,9 @@ def _sleep_until(t: float) -> None:
 def _record(req: dict, arrival: float, issued: float, result, t0: float) -> dict:
     returned = time.perf_counter()
     m = result.metrics
-    ttft = None if m["ttft_s"] is None else issued + m["ttft_s"] - arrival
+    # the first token came its decode time before the return (the base engine starts a
+    # request's clock only once the call holds the model)
+    ttft = None if m["ttft_s"] is None else returned - (m["total_s"] - m["ttft_s"]) - arrival
     return {"arrival_s": arrival - t0, "issued_s": issued - t0, "returned_s": returned - t0,
             "prompt_tokens": len(req["prompt"]), "max_tokens": req["max_tokens"],
             "completion_tokens": m["completion_tokens"], "finish_reason": result.finish_reason,
@@ -147,8 +160,9 @@ def _percentiles(values: list, name: str) -> dict:
 
 
 def serve(model, path: str, requests: list[dict], rate: float, timeout: float) -> dict:
-    """One run of the workload at `rate` through `path`; True in "timed_out" when the model
-    was shut down at the deadline (the caller loads it again)."""
+    """One run of the workload at `rate` through `path`; True in "timed_out" when the
+    deadline passed: the engine was shut down (the caller loads it again), or, on the base
+    commit (no shutdown), calls are still running (the worker exits after reporting)."""
     scaled = [{**r, "arrival": r["arrival"] / rate} for r in requests]
     records, gaps = [None] * len(scaled), [None] * len(scaled)
     t0 = time.perf_counter() + 0.05  # the threads are started before the first arrival
@@ -158,7 +172,7 @@ def serve(model, path: str, requests: list[dict], rate: float, timeout: float) -
     for t in threads:
         t.join(max(0.0, deadline - time.perf_counter()))
     timed_out = any(t.is_alive() for t in threads)
-    if timed_out:
+    if timed_out and path == "engine":
         model.shutdown()
         for t in threads:
             t.join()
@@ -179,6 +193,53 @@ def serve(model, path: str, requests: list[dict], rate: float, timeout: float) -
             **(_percentiles([g for i in done for g in gaps[i]], "itl_gap")
                if path == "engine" else {}),
             "per_request": records}
+
+
+class BaseWorker:
+    """The threads path on the base commit: this script in `--threads-worker` mode, in its own
+    process with the base tree first on the path, loaded and warmed up once; then one run of
+    the workload per rate asked."""
+
+    def __init__(self, tree: Path, spec: Path, log: Path):
+        self.log = log
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--threads-worker", str(spec)],
+            cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=log.open("a"), text=True)
+        self._read("READY")
+
+    def _read(self, tag: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return line[len(tag):].strip()
+        raise SystemExit(f"the base worker died:\n{self.log.read_text()[-3000:]}")
+
+    def serve(self, rate: float) -> dict:
+        self.proc.stdin.write(f"{rate}\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read("RESULT "))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def threads_worker(spec_path: str) -> None:
+    """Worker mode (the base commit's xlr_jax on the path): load, run every request once,
+    then serve the threads path at each rate read from stdin, a RESULT line each."""
+    import xlr_jax
+
+    spec = json.loads(Path(spec_path).read_text())
+    model = xlr_jax.load_model("smollm2", **spec["load"])
+    for r in spec["requests"]:  # each shape compiled on first use, as a call would alone
+        model.generate(r["prompt"], max_tokens=r["max_tokens"], ignore_eos=True)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        result = serve(model, "threads", spec["requests"], float(line), spec["timeout"])
+        print("RESULT " + json.dumps(result), flush=True)
+        if result["timed_out"]:  # calls still running, and no way to stop them
+            os._exit(0)
 
 
 def warm_up(model, requests: list[dict]) -> None:
@@ -246,8 +307,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--requests", type=int, help="requests per rate")
     ap.add_argument("--timeout", type=float, help="seconds per rate and path before aborting")
     ap.add_argument("--seed", type=int, default=0, help="the workload's generator seed")
-    ap.add_argument("--cache-dir", help="the model cache (default: xlr-jax's)")
+    ap.add_argument("--cache-dir", help="the model cache (default: xlr-jax's); the base "
+                    "worker's is its base-REV folder (default: a temporary one)")
+    ap.add_argument("--base", default=BASE,
+                    help=f"the commit whose generate the threads path calls (default {BASE})")
+    ap.add_argument("--threads-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.threads_worker:
+        return threads_worker(args.threads_worker)
     preset = QUICK if args.quick else FULL
     rates, n = args.rates or preset["rates"], args.requests or preset["requests"]
     timeout = args.timeout or preset["timeout"]
@@ -256,32 +323,43 @@ def main(argv=None) -> dict:
             "prefix_cache": False, "cache_dir": args.cache_dir}
 
     import xlr_jax
-    from xlr_jax.bench.run import environment, git_state
+    from xlr_jax.bench.run import environment, git_state, git_worktree
 
     model = xlr_jax.load_model("smollm2", **load)
     requests = workload(model.tokenizer, n, preset["prompt"], preset["output"], args.seed)
-    warm_up(model, requests)
-    runs = []
-    for rate in rates:
-        run = {"rate_per_s": rate}
-        for path in PATHS:
-            run[path] = serve(model, path, requests, rate, timeout)
-            if run[path]["timed_out"]:  # shut down at the deadline: a fresh model goes on
+    with tempfile.TemporaryDirectory(prefix="xlr-online-") as tmp, \
+            git_worktree(ROOT, args.base, Path(tmp) / "base") as (tree, base_sha):
+        tmp = Path(tmp)
+        base_cache = (Path(args.cache_dir) / f"base-{args.base}" if args.cache_dir
+                      else tmp / "cache")
+        spec = tmp / "worker.json"
+        spec.write_text(json.dumps({"load": {**load, "cache_dir": str(base_cache)},
+                                    "requests": requests, "timeout": timeout}))
+        worker = BaseWorker(tree, spec, tmp / "worker.log")
+        warm_up(model, requests)
+        runs = []
+        for rate in rates:  # the two paths side by side at each rate
+            run = {"rate_per_s": rate, "engine": serve(model, "engine", requests, rate, timeout)}
+            if run["engine"]["timed_out"]:  # shut down at the deadline: a fresh model goes on
                 model = xlr_jax.load_model("smollm2", **load)
                 warm_up(model, requests)
-        run["engine_over_threads"] = {
-            k: run["engine"][k] / run["threads"][k] if run["engine"][k] and run["threads"][k]
-            else None for k in RATIOS}
-        runs.append(run)
-        for path in PATHS:
-            print(_row(rate, path, run[path]), flush=True)
+            run["threads"] = worker.serve(rate)
+            if run["threads"]["timed_out"]:  # its calls still run: a fresh worker goes on
+                worker = BaseWorker(tree, spec, tmp / "worker.log")
+            run["engine_over_threads"] = {
+                k: run["engine"][k] / run["threads"][k] if run["engine"][k] and run["threads"][k]
+                else None for k in RATIOS}
+            runs.append(run)
+            for path in PATHS:
+                print(_row(rate, path, run[path]), flush=True)
+        worker.close()
     plan = model.plan.to_dict()
     model.shutdown()
 
     result = {"experiment": "online_engine",
               "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "environment": environment(uses_torch=False), "git": git_state(),
-              "quick": args.quick,
+              "quick": args.quick, "base": {"rev": args.base, "sha": base_sha},
               "config": {"rates_per_s": rates, "requests_per_rate": n, "seed": args.seed,
                          "prompt_tokens": list(preset["prompt"]),
                          "output_tokens": list(preset["output"]), "timeout_s": timeout,

@@ -6,6 +6,7 @@ smoke tests. Results go to experiments/results/<config stem>-<UTC time>.json.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.metadata
 import json
@@ -139,6 +140,21 @@ def git_state() -> dict:
     # tracked files only: result JSONs written beside the code do not make it dirty
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"sha": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+@contextlib.contextmanager
+def git_worktree(repo: Path, rev: str, path: Path):
+    """A detached worktree of `repo` at `rev` in `path` for the block, removed after (to run
+    an earlier commit side by side with this one). Yields (path, the commit's sha)."""
+    subprocess.run(["git", "worktree", "add", "--detach", "-f", str(path), rev], cwd=repo,
+                   check=True, capture_output=True)
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, check=True,
+                             capture_output=True, text=True).stdout.strip()
+        yield path, sha
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=repo,
+                       capture_output=True)
 
 
 def _table(result: dict) -> str:
