@@ -5,6 +5,7 @@ These use a tiny GGUF written here (tests/tiny_gguf.py), so each cold load takes
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -217,8 +218,6 @@ def test_compiled_steps_are_kept_apart_by_what_shapes_them(tiny, tmp_path):
 def test_compiled_steps_are_keyed_by_the_whole_packages_source(tmp_path):
     """An edit in any module a step's code comes from (attention in ops/, the batch in
     runtime/, pages in kv/) keys new executables: a stale one never runs."""
-    import shutil
-
     from xlr_jax.model.executables import PACKAGE_ROOT, code_digest
 
     assert PACKAGE_ROOT == Path(xlr_jax.__file__).parent

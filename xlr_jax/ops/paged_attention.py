@@ -52,8 +52,6 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
     many at a time (`paged_attention_blocked`), instead of the whole block table.
     """
     impl = resolve_impl(impl)
-    k_pages, v_pages = kv_pages
-    ks, vs = kv_scales if kv_scales is not None else (None, None)
     if cu_q_lens is None:
         if q.ndim != 4 or q_positions is None or q_positions.shape != q.shape[:2]:
             raise ValueError("padded attention takes q [batch, q_len, heads, dim] and "
@@ -64,8 +62,9 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
                                            kv_scales=kv_scales, layer=layer,
                                            sliding_window=sliding_window)
         if impl == "xla":
-            return _padded_xla(q, k_pages, v_pages, ks, vs, layer, block_tables, lengths,
-                               q_positions, sliding_window)
+            return paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions,
+                                       kv_scales=kv_scales, sliding_window=sliding_window,
+                                       layer=layer)
         # the kernel takes ragged queries: each row's q_len tokens, back to back
         batch, q_len = q.shape[:2]
         out = paged_attention(q.reshape(batch * q_len, *q.shape[2:]), kv_pages, block_tables,
@@ -85,22 +84,17 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
         q_positions = first[seq] + jnp.arange(q.shape[0]) - cu_q_lens[seq]
     if impl == "xla":
         # each token is a one-token query over its own sequence's pages
-        out = _padded_xla(q[:, None], k_pages, v_pages, ks, vs, layer, block_tables[seq],
-                          lengths[seq], q_positions[:, None], sliding_window)
+        out = paged_attention_xla(q[:, None], kv_pages, block_tables[seq], lengths[seq],
+                                  q_positions[:, None], kv_scales=kv_scales,
+                                  sliding_window=sliding_window, layer=layer)
         return out[:, 0]
     from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas  # see ops/__init__
 
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
     return ragged_paged_attention_pallas(
-        q, k_pages, v_pages, block_tables, lengths, cu_q_lens, q_positions, ks, vs,
+        q, *kv_pages, block_tables, lengths, cu_q_lens, q_positions, ks, vs,
         max_q_len=max_q_len or q.shape[0], layer=layer, sliding_window=sliding_window,
         interpret=jax.default_backend() != "gpu")
-
-
-def _padded_xla(q, k_pages, v_pages, k_scales, v_scales, layer, block_tables, lengths,
-                q_positions, sliding_window):
-    return paged_attention_xla(q, (k_pages, v_pages), block_tables, lengths, q_positions,
-                               kv_scales=None if k_scales is None else (k_scales, v_scales),
-                               sliding_window=sliding_window, layer=layer)
 
 
 def gather_pages(pages, table, layer=None):

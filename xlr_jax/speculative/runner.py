@@ -5,7 +5,8 @@ Speculating requests live in the engine's one loop beside plain ones (see
 there; then, between plain steps, `SpecRunner.run` gives each of them one cycle.
 Exact-speculation requests with the same configuration are the rows of one batched
 cycle; so are the particles of SMC requests with the same configuration (`SmcRun`, one
-population per request), as many populations as the largest batch holds. The particles start as forks of the prefilled request
+population per request), as many populations as the largest batch holds. The
+particles start as forks of the prefilled request
 (sharing its pages). Before each cycle their number N follows the pages nobody else
 is promised, both ways: it shrinks by resampling (re-pointing block tables: forks of
 the ancestors; a shared partial last page is copied on its next write) and grows by
@@ -59,17 +60,14 @@ class SpecRunner:
     def run(self, reqs, promised: int):
         """One cycle for each of `reqs` (decoding, speculating, running): exact ones of
         one configuration batched, and SMC populations of one configuration batched.
-        `promised`: pages the other
-        running requests may still take (SMC particles leave them alone). Yields the
-        engine's (index, piece, result) events."""
+        `promised`: pages the other running requests may still take (SMC particles
+        leave them alone). Yields the engine's (index, piece, result) events."""
         exact, smc = [], []
         for r in reqs:
             self._draft_prefill(r)
             (smc if r.spec.method == "smc" else exact).append(r)
-        while exact:  # one batched cycle per (configuration, draft)
-            group = [r for r in exact if (r.spec, r.draft) == (exact[0].spec, exact[0].draft)]
-            exact = [r for r in exact if r not in group]
-            yield from self._exact(group)
+        for group in _batches(exact, lambda r: (r.spec, r.draft), lambda r: 1, len(exact)):
+            yield from self._exact(group)  # one batched cycle per (configuration, draft)
         if smc:
             yield from self._smc(smc, promised)
 
@@ -87,14 +85,9 @@ class SpecRunner:
                 runs.append(r.smc)
                 elsewhere = promised - self.engine.owed_pages(r)
                 r.smc.prepare(self, self.engine.pool.num_available - elsewhere)
-            pending = [run for run in runs if run.rows]
-            while pending:
-                group, rows = [], 0
-                for run in pending:
-                    if run.key == pending[0].key and rows + len(run.rows) <= self.engine.buckets.batch[-1]:
-                        group.append(run)
-                        rows += len(run.rows)
-                pending = [run for run in pending if run not in group]
+            ready = [run for run in runs if run.rows]
+            for group in _batches(ready, lambda run: run.key, lambda run: len(run.rows),
+                                  self.engine.buckets.batch[-1]):
                 salts = None if group[0].single else [s for run in group for s in run.live]
                 out = self.cycle([p for run in group for p in run.rows],
                                  "exact" if group[0].single else "smc", salts)
@@ -324,6 +317,20 @@ class SmcRun:
         _summarize(chosen)
         req.finish_reason = chosen.finish_reason
         yield from engine.finished([chosen], [chosen.pending])
+
+
+def _batches(items: list, key, size, cap: int):
+    """`items` in groups of equal `key`, in order of first appearance, each group's total
+    `size` at most `cap` (an item alone is never over it)."""
+    pending = list(items)
+    while pending:
+        group, total = [], 0
+        for item in pending:
+            if key(item) == key(pending[0]) and total + size(item) <= cap:
+                group.append(item)
+                total += size(item)
+        pending = [item for item in pending if item not in group]
+        yield group
 
 
 def _take(r, tokens: list[int], now: float) -> tuple[str, int]:
