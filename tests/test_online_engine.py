@@ -1,4 +1,4 @@
-"""experiments/online_engine.py runs end to end (--quick) and reports sane figures per rate."""
+"""The online and verify-rows experiments run end to end (--quick) and report sane figures."""
 import json
 import subprocess
 import sys
@@ -34,3 +34,21 @@ def test_online_engine_experiment_quick(tmp_path, cache_dir):
             assert all(0 < q["ttft_s"] <= q["latency_s"] for q in f["per_request"])
         assert 0 < run["engine"]["itl_gap_p50_s"] <= run["engine"]["itl_gap_p99_s"]
         assert run["engine_over_threads"]["throughput_tokens_per_s"] > 0
+
+
+def test_verify_rows_experiment_quick(tmp_path, cache_dir):
+    """experiments/verify_rows.py --quick times both ways of verifying n-gram drafts for
+    every mix it reports."""
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "verify_rows.py"),
+                          "--quick", "--out", str(tmp_path), "--cache-dir", str(cache_dir)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (path,) = tmp_path.glob("verify_rows-quick-*.json")
+    r = json.loads(path.read_text())
+    assert r["experiment"] == "verify_rows" and r["quick"] and "sha" in r["git"]
+    mixes = {(f["plain_streams"], f["gamma"]) for f in r["figures"]}
+    assert (0, 4) in mixes and any(plain for plain, _ in mixes)
+    for f in r["figures"]:
+        assert f["rows"] == min(8, f["plain_streams"] + f["gamma"] + 1)
+        assert f["rows_ms"] > 0 and f["separate_ms"] > 0
+        assert abs(f["rows_over_separate"] - f["rows_ms"] / f["separate_ms"]) < 1e-9

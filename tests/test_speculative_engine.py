@@ -57,6 +57,30 @@ def test_greedy_exact_speculation_equals_greedy_decoding(model):
     assert model.engine.pool.refcounts.sum() == 0  # every page given back
 
 
+def test_sampled_ngram_speculation_draws_what_plain_sampling_draws(model):
+    """Point-mass drafts are accepted by matching the plain sampler's own draws
+    (acceptance.accept_by_matching): a seeded n-gram request generates plain sampling's
+    tokens exactly, alone (in its own cycles) and beside a plain stream (as rows of the
+    stream's ragged steps: no cycle runs)."""
+    spec = {"draft": "ngram", "gamma": 4}
+    cycles = lambda: model.stats()["speculative"]["cycles"]  # noqa: E731
+    for kw in ({"temperature": 0.8, "seed": 3}, {"temperature": 1.0, "top_p": 0.9, "seed": 5}):
+        plain = model.generate(CODE, max_tokens=32, **kw)
+        before = cycles()
+        alone = model.generate(CODE, max_tokens=32, speculative=spec, **kw)
+        assert alone.token_ids == plain.token_ids
+        assert alone.metrics["accepted_tokens"] > 0 and cycles() > before
+        stream = dict(max_tokens=96, ignore_eos=True, temperature=0.7, seed=9)
+        solo_stream = model.generate("Tell me about the sea.", **stream)
+        before = cycles()
+        other = model.submit("Tell me about the sea.", **stream)
+        beside = model.submit(CODE, max_tokens=32, speculative=spec, **kw).result()
+        assert other.result().token_ids == solo_stream.token_ids
+        assert beside.token_ids == plain.token_ids
+        assert beside.metrics["accepted_tokens"] > 0 and cycles() == before
+    assert model.engine.pool.refcounts.sum() == 0
+
+
 def test_ngram_speculation_compiles_once_per_bucket(model):
     spec = {"draft": "ngram", "gamma": 4}
     model.generate(CODE, max_tokens=16, speculative=spec)

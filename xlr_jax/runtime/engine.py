@@ -3,8 +3,9 @@
 Host state (page pool, block tables, queues) lives here in plain Python; the
 device sees only the jitted steps of `xlr_jax.model.steps`. One loop (`serve`) runs
 every request: each step carries a token of every running plain request and a
-prefill chunk of the oldest one still prefilling; between steps, requests join
-and leave, and speculating requests run their cycles (`spec_runner`). Plain
+prefill chunk of the oldest one still prefilling, and n-gram speculating requests
+verify their drafts as rows of it; between steps, requests join and leave, and
+the other speculating requests run their cycles (`speculative.runner`). Plain
 requests take pages as they grow, and the newest is preempted when the pool
 runs short; speculating ones are budgeted their worst case up front.
 
@@ -241,6 +242,9 @@ class _Step:
     tokens: object
     logprobs: tuple  # chosen [rows], top ids and values [rows, k], on the device
     started: float   # when it was dispatched
+    # speculating requests verifying drafts in rows after `rows`: (request, drafts,
+    # first row, its last token's position)
+    verify: list[tuple] = field(default_factory=list)
 
     def logprob_rows(self) -> list | None:
         """Each row's (chosen, top ids, top values) on the host, if any row asked."""
@@ -458,8 +462,9 @@ class Engine:
                 ([p.seq for p in r.smc.particles] if r.smc is not None else [r.seq])]
 
     def _loop(self, waiting: deque, active: list[_Request], poll):
-        """Every step carries one token of each running plain request and a chunk of the
-        oldest request still prefilling (plain or speculating); between steps, every
+        """Every step carries one token of each running plain request, a chunk of the
+        oldest request still prefilling (plain or speculating) and, when it runs, the
+        drafts of n-gram speculating requests as rows; between steps, every other
         speculating request that has its first token runs one cycle (`SpecRunner.run`).
         Requests of every kind join and leave between steps."""
         inflight: _Step | None = None  # dispatched, its tokens not read back yet
@@ -472,7 +477,7 @@ class Engine:
                 return
             joinable = bool(waiting) and len(active) < self.max_batch
             if (inflight and inflight.chunk is None and inflight.rows == active
-                    and not joinable and self._can_run_ahead(active)
+                    and not inflight.verify and not joinable and self._can_run_ahead(active)
                     and not any(r.forced or r.params.logits_processor for r in active)
                     and self._room_for_a_step(active)):
                 # decode only: dispatch the next step on the device tokens before reading
@@ -492,8 +497,12 @@ class Engine:
             plain = [r for r in running if r.decoding and r.spec is None]
             speculating = [r for r in running if r.decoding and r.spec is not None]
             chunk = next((r for r in running if not r.decoding), None)
-            if plain or chunk:
-                inflight = self.dispatch(plain, chunk)
+            if plain or chunk:  # n-gram requests verify as rows of this step
+                rows = [r for r in speculating if self._spec_runner.verifies_in_rows(r)]
+                speculating = [r for r in speculating if r not in rows]
+                room = self.buckets.batch[-1] - len(plain) - len(rows)
+                inflight = self.dispatch(plain, chunk,
+                                         verify=self._spec_runner.proposals(rows, room))
             if speculating:  # after the plain step: the cycles read its KV
                 promised = sum(self.owed_pages(r) for r in running)
                 yield from self._spec_runner.run(speculating, promised)
@@ -743,18 +752,22 @@ class Engine:
             self.prefix_cache.record(req.cache_metrics)
 
     def dispatch(self, decoding: list[_Request], chunk: _Request | None = None,
-                  feed=None) -> "_Step":
+                 feed=None, verify: list[tuple] = ()) -> "_Step":
         """Launch one step: a token for each request of `decoding` and the next chunk of
         `chunk`'s prompt; returns it with its device tokens unread.
 
         `feed` is the previous step's device tokens (same decode rows, no chunk) or None
-        to feed each request's last accepted token from the host.
+        to feed each request's last accepted token from the host. `verify`: (request,
+        drafts) of speculating requests, each fed its last token and its drafts as rows
+        at consecutive positions (a row sees the KV the rows before it write), each row
+        drawing the token plain decoding would draw there (see SpecRunner.verified).
         """
+        rows = len(decoding) + sum(1 + len(drafts) for _, drafts in verify)
         part = []
         if chunk is not None:
-            room = min(self.buckets.chunk[-1], self.max_step_tokens - len(decoding))
+            room = min(self.buckets.chunk[-1], self.max_step_tokens - rows)
             part = chunk.context_ids[chunk.prefilled:chunk.chunk_end(room)]
-        build = self.steps.builder(len(decoding), len(part))
+        build = self.steps.builder(rows, len(part))
         width = self.steps.buckets.table_width
         for r in decoding:
             self.apply_copies(r.seq.reserve(r.seq.length + 1))
@@ -764,6 +777,15 @@ class Engine:
             build.decode(r.generated[-1], r.seq.length, r.seq.block_table(width), r.params,
                          r.seq.length + 1 - len(r.prompt_ids))
             r.seq.length += 1
+        verifying = []
+        for r, drafts in verify:  # pages for every position (SpecRunner.verified trims)
+            start = r.seq.length
+            self.apply_copies(r.seq.reserve(start + len(drafts) + 1))
+            verifying.append((r, drafts, build.decoded, start))
+            for i, token in enumerate([r.generated[-1], *drafts]):
+                build.decode(token, start + i, r.seq.block_table(width), r.params,
+                             start + i + 1 - len(r.prompt_ids))
+            r.seq.length += len(drafts) + 1
         if chunk is not None:  # pages reserved at admission; forced tokens grow them here
             self.apply_copies(chunk.seq.reserve(chunk.context_len))
             build.prefill(part, chunk.prefilled, chunk.seq.block_table(width), chunk.params, 0)
@@ -772,7 +794,8 @@ class Engine:
             chunk.seq.length += len(part)
         started = time.perf_counter()
         tokens, _, logprobs, self.kv = self.steps.step(self.params, self.kv, build.build(feed))
-        return _Step(decoding, chunk, build.batch.decode_rows, tokens, logprobs, started)
+        return _Step(decoding, chunk, build.batch.decode_rows, tokens, logprobs, started,
+                     verifying)
 
     def _accept(self, step: "_Step") -> tuple[list[_Request], list[str]]:
         """Read a step's tokens back and accept them: a token for each decode row that
@@ -791,6 +814,11 @@ class Engine:
             if r.finish_reason is None:
                 reqs.append(r)
                 pieces.append(r.accept(int(sampled[j]), now, lp))
+        for r, drafts, row, position in step.verify:
+            if r.finish_reason is None:
+                reqs.append(r)
+                pieces.append(self._spec_runner.verified(
+                    r, drafts, sampled[row:row + len(drafts) + 1], position, now))
         r = step.chunk
         # a resumed request (preempted) knows its next token already
         if (r is not None and r.finish_reason is None and not r.generated

@@ -8,6 +8,14 @@ all are accepted a bonus token is drawn from p_{gamma+1}. The emitted tokens
 are then distributed exactly as the target's own samples. A point-mass draft
 (n-gram lookup) is q = one-hot. With greedy (one-hot) p the result is exactly
 the target's greedy tokens.
+
+For a point-mass draft there is a simpler exact rule, `accept_by_matching`: draw
+every position's token from p with the plain sampler's own key, and keep the
+drafts up to the first one that differs from its draw. Drawing x ~ p and keeping
+d when x == d accepts d with probability p(d), and on a mismatch emits x, which is
+p conditioned on x != d: exactly the rule above with q = one-hot. Since every
+emitted token is the draw plain sampling would make at that index, the output is
+plain sampling's, token for token (same seed), however the drafts fell.
 """
 from __future__ import annotations
 
@@ -48,3 +56,14 @@ def accept_block(key, draft_tokens, q_probs, p_probs, num_draft=None):
     dist = jnp.where(all_in, p_at, residual)
     next_token = jax.random.categorical(k_next, jnp.log(dist + 1e-38), axis=-1)
     return accepted, next_token.astype(jnp.int32)
+
+
+def accept_by_matching(drawn, draft_tokens, num_draft):
+    """Exact acceptance of point-mass drafts (see the module): `drawn` [B, gamma + 1]
+    holds each position's token drawn from p by the plain sampler, `draft_tokens`
+    [B, gamma] the proposals, `num_draft` [B] how many are real. Returns (accepted
+    [B], next_token [B]) as `accept_block` does."""
+    gamma = draft_tokens.shape[1]
+    same = (drawn[:, :gamma] == draft_tokens) & (jnp.arange(gamma) < num_draft[:, None])
+    accepted = jnp.sum(jnp.cumprod(same, axis=1), axis=1).astype(jnp.int32)
+    return accepted, jnp.take_along_axis(drawn, accepted[:, None], 1)[:, 0]

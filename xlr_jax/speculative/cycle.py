@@ -3,7 +3,8 @@
 A cycle, for every row (a sequence, or an SMC particle): the draft proposes up
 to gamma tokens; the target scores the row's last token plus the proposals
 (gamma + 1 positions) in one forward over the paged KV; then either exact
-acceptance (`spec_sampling.accept_block`) or, for SMC, a bonus token from the
+acceptance (`acceptance.accept_block`; for host proposals `accept_by_matching`, which
+emits what plain sampling would) or, for SMC, a bonus token from the
 target beside each draft token's log p and log q (the host adds the weights of
 the tokens a particle keeps: `smc.block_increment`). The host then trims each
 row's block table and length to what was kept; nothing is copied.
@@ -28,8 +29,8 @@ import jax.numpy as jnp
 from xlr_jax.errors import InvalidRequestError
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import Params, forward, lm_head
-from xlr_jax.model.sampling import SamplingBatch, token_probs
-from xlr_jax.speculative.acceptance import accept_block
+from xlr_jax.model.sampling import SamplingBatch, sample_rows, token_probs
+from xlr_jax.speculative.acceptance import accept_block, accept_by_matching
 from xlr_jax.speculative.drafts import ngram_propose
 
 MAX_GAMMA = 16
@@ -233,7 +234,8 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
     Returns (accepted [B], next token [B], drafts [B, gamma], log p and log q of each
     draft token [B, gamma], agreement sum_v min(p, q) at each draft position [B, gamma],
     kv, draft_kv): the row keeps `last`, drafts[:accepted] and then `next`. Exact:
-    accepted by `accept_block`. SMC: every real draft is kept and `next` is a bonus
+    accepted by `accept_block`, or for host proposals by `accept_by_matching` on the
+    plain sampler's draws (`sampling.step` is the index of the token after `last`). SMC: every real draft is kept and `next` is a bonus
     token from p; the host weighs the drafts a particle keeps before it stops.
     """
     batch = last.shape[0]
@@ -265,7 +267,11 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
     log_p = jnp.log(jnp.maximum(pick(p[:, :gamma]), 1e-30))
     log_q = jnp.log(jnp.maximum(pick(q), 1e-30))
     agreement = jnp.sum(jnp.minimum(p[:, :gamma], q), axis=-1)
-    if method == "exact":
+    if method == "exact" and draft_kind == "tokens":  # point mass: plain sampling's draws
+        steps = (sampling.step[:, None] + offs).reshape(-1)
+        drawn = sample_rows(logits, per_position.replace(step=steps))
+        accepted, nxt = accept_by_matching(drawn.reshape(batch, gamma + 1), drafts, num_draft)
+    elif method == "exact":
         accepted, nxt = jax.vmap(lambda k, d, qq, pp, n: accept_block(
             k, d[None], qq[None], pp[None], n[None]))(k_accept, drafts, q, p, num_draft)
         accepted, nxt = accepted[:, 0], nxt[:, 0]
