@@ -175,6 +175,19 @@ class Model:
         async for piece in self._asubmit(prompt_or_messages, kwargs):
             yield piece
 
+    def asubmit(self, prompt_or_messages, **kwargs) -> RequestHandle:
+        """`submit` for asyncio, from a coroutine: the handle's `async for` and
+        `aresult()` wake the running event loop (a server's handlers use it)."""
+        return self._asubmit(prompt_or_messages, kwargs)
+
+    def encode(self, prompt_or_messages, tools: list | None = None
+               ) -> tuple[list[int], tuple[int, int]]:
+        """What `submit` makes of a prompt or conversation: its token ids and (stable end,
+        context end) tier boundaries. For callers that tokenize on their own worker
+        threads and then submit `{"stable": ids[:s], "context": ids[s:c], "volatile":
+        ids[c:]}` (the server). Raises as `submit` does (PromptTooLongError...)."""
+        return self._encode_any(prompt_or_messages, tools)
+
     def _asubmit(self, prompt_or_messages, kwargs) -> RequestHandle:
         """`submit` with the caller's event loop attached (its arguments, checked the same)."""
         try:

@@ -1,4 +1,4 @@
-"""The `xlr` command line: generate, chat, info, bench."""
+"""The `xlr` command line: generate, chat, info, serve, bench."""
 from __future__ import annotations
 
 import argparse
@@ -193,6 +193,85 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from xlr_jax.server.app import exposure_warning, serve  # FastAPI only for this command
+
+    args.model = args.model_pos or args.model
+    warning = exposure_warning(args.host, args.api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    if not 0 <= args.port <= 65535:
+        raise XlrError(f"--port must be in 0-65535 (got {args.port})")
+    plan = {k: getattr(args, k) for k in ("max_context", "max_batch", "num_pages",
+                                          "page_size", "prefill_chunk", "max_waiting")}
+
+    model = _load(args, **plan)
+    name = args.served_model_name or _default_served_name(args.model)
+    print(f"serving {name!r} (context {model.plan.max_context} tokens) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    return serve(model, host=args.host, port=args.port, api_key=args.api_key,
+                 served_model_name=name, request_log_dir=args.request_log,
+                 drain_timeout=args.drain_timeout,
+                 max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                 cors_origins=args.cors_origin, log_level=args.log_level)
+
+
+def _default_served_name(model: str) -> str:
+    """The model's id on the wire: its name, or its file or folder name without suffix."""
+    from pathlib import PurePath
+
+    path = PurePath(model)
+    return path.stem if path.suffix == ".gguf" else path.name or model
+
+
+def _add_serve_parser(sub) -> None:
+    import os
+
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server",
+        description="Serve one model over an OpenAI-compatible HTTP API: /v1/models, "
+                    "/v1/chat/completions (streamed or whole, with tool calls), "
+                    "/v1/completions, /health, /metrics (Prometheus), /props, /version. "
+                    "SIGTERM drains: new connections are refused, requests in flight run to "
+                    "their end (at most --drain-timeout seconds), then the process exits.",
+        epilog=EPILOG)
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                   help="model name or path (default: the embedded one; same as --model)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1, loopback only; binding another "
+                        "address without --api-key prints a warning)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("XLR_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every /v1 request "
+                        "(default: $XLR_API_KEY; none: no check)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients send and /v1/models lists (default: the "
+                        "model's name or file name)")
+    p.add_argument("--max-waiting", type=int, default=None, metavar="N",
+                   help="requests queued beyond the running batch; past it, 503 with "
+                        "Retry-After (default: the plan's)")
+    p.add_argument("--request-log", default=None, metavar="DIR",
+                   help="append one JSON line per request to DIR/requests.jsonl (ids, "
+                        "timings, usage, cache hits; no prompt or output text)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, how long requests in flight may run on (default 30)")
+    p.add_argument("--max-body-mb", type=float, default=8.0, metavar="MB",
+                   help="largest request body accepted; larger ones get 413 (default 8)")
+    p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="allow browser requests from ORIGIN (repeatable; default: CORS off)")
+    p.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning)")
+    for flag, what in (("--max-context", "context length in tokens"),
+                       ("--max-batch", "sequences decoded together"),
+                       ("--num-pages", "KV pages in the pool"),
+                       ("--page-size", "tokens per KV page"),
+                       ("--prefill-chunk", "prompt tokens per prefill step")):
+        p.add_argument(flag, type=int, default=None, help=f"plan override: {what}")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="xlr", description="xlr-jax: fast LLM inference in JAX.", epilog=EPILOG)
@@ -225,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON")
     _add_model_options(info)
     info.set_defaults(func=cmd_info)
+
+    _add_serve_parser(sub)
 
     from xlr_jax.bench import run
     from xlr_jax.cli import plan

@@ -1,0 +1,490 @@
+"""`xlr serve`: a live server in a subprocess on the embedded model, driven by real clients
+(the `openai` package and an httpx client), plus unit tests of the tool-call parser.
+
+One server (started with an API key, a request log and a small waiting queue) serves
+every live test of this module; the SIGTERM test, last, stops it.
+"""
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+try:
+    import httpx
+except ImportError:  # the openai client's own HTTP library, where it is httpx2
+    import httpx2 as httpx
+
+from xlr_jax.server import messages as chat_messages
+from xlr_jax.server.protocol import ChatCompletionRequest
+from xlr_jax.server.tool_calls import ToolCallParser, parse_whole, render_tool, tools_block
+
+KEY = "test-key-123"
+MODEL = "smollm2"
+MAX_WAITING = 16
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "required": ["city"],
+                   "properties": {"city": {"type": "string"}}}}}]
+
+
+# ------------------------------------------------------------------ the live server
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, proc, port, log_dir, stderr_path):
+        self.proc, self.port, self.log_dir, self.stderr_path = proc, port, log_dir, stderr_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.http = httpx.Client(base_url=self.url, timeout=120,
+                                 headers={"Authorization": f"Bearer {KEY}"})
+
+    def openai(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0,
+                             timeout=120, **kwargs)
+
+    def metric(self, name: str, **labels) -> float:
+        """One sample of /metrics (0 when absent)."""
+        text = self.http.get("/metrics").text
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(p in line for p in want.split(",") if p):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def log_entries(self) -> list[dict]:
+        path = self.log_dir / "requests.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] \
+            if path.exists() else []
+
+
+def _start(cache_dir, tmp, *extra) -> LiveServer:
+    port = _free_port()
+    stderr_path = tmp / "server.stderr"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xlr_jax.cli", "serve", MODEL, "--port", str(port),
+         "--cache-dir", str(cache_dir), "--api-key", KEY, "--request-log", str(tmp / "log"),
+         "--max-waiting", str(MAX_WAITING), "--drain-timeout", "60", *extra],
+        stdout=subprocess.DEVNULL, stderr=stderr_path.open("w"))
+    server = LiveServer(proc, port, tmp / "log", stderr_path)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"xlr serve exited: {stderr_path.read_text()[-3000:]}")
+        try:
+            if server.http.get("/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("xlr serve did not answer /health within 300 s")
+
+
+@pytest.fixture(scope="module")
+def server(cache_dir, tmp_path_factory):
+    live = _start(cache_dir, tmp_path_factory.mktemp("serve"))
+    yield live
+    if live.proc.poll() is None:
+        live.proc.kill()
+        live.proc.wait(30)
+
+
+def _chat(server, messages, **kwargs):
+    body = {"model": MODEL, "messages": messages, "temperature": 0, **kwargs}
+    return server.http.post("/v1/chat/completions", json=body)
+
+
+def _sse_events(response) -> list:
+    """The `data:` payloads of an SSE response, parsed ([DONE] kept as a string)."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def _assert_openai_error(response, status: int):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+# ------------------------------------------------------------------ probes
+
+def test_models_and_probe_endpoints(server):
+    models = server.openai().models.list().data
+    assert [m.id for m in models] == [MODEL]
+    card = server.http.get(f"/v1/models/{MODEL}").json()
+    assert card["context_length"] == card["max_model_len"] == 8192
+    _assert_openai_error(server.http.get("/v1/models/nope"), 404)
+    assert server.http.get("/props").json()["default_generation_settings"]["n_ctx"] == 8192
+    assert server.http.get("/version").json()["version"]
+    schema = server.http.get("/openapi.json").json()
+    chat = schema["paths"]["/v1/chat/completions"]["post"]
+    assert "422" not in chat["responses"] and "400" in chat["responses"]
+    props = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"messages", "tools", "tool_choice", "stream_options", "max_completion_tokens",
+            "top_k", "min_p", "speculative"} <= set(props)
+
+
+# ------------------------------------------------------------------ OpenAI semantics
+
+def test_openai_client_chat_whole_and_streamed(server):
+    client = server.openai()
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                {"role": "user", "content": "Name a colour."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                           temperature=0)
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert 0 < whole.usage.completion_tokens <= 10
+
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content  # greedy: the same tokens either way
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == choice.finish_reason and not any(reasons[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+
+    with server.http.stream("POST", "/v1/chat/completions", json={
+            "model": MODEL, "messages": messages, "max_tokens": 3, "stream": True}) as r:
+        events = _sse_events(r)
+    assert events[-1] == "[DONE]" and "usage" not in events[-2]  # no usage unless asked
+
+
+def test_openai_client_completions(server):
+    client = server.openai()
+    whole = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                      max_tokens=6, temperature=0, logprobs=2)
+    assert whole.choices[0].text and whole.usage.completion_tokens == 6
+    assert whole.choices[0].finish_reason == "length"
+    assert len(whole.choices[0].logprobs.tokens) == 6
+    streamed = list(client.completions.create(model=MODEL, prompt="The capital of France is",
+                                              max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_conversation_with_tool_messages_in_its_history(server):
+    history = [{"role": "system", "content": "You are a weather assistant."},
+               {"role": "user", "content": "What is the weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "call_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'}]
+    reply = server.openai().chat.completions.create(model=MODEL, messages=history,
+                                                    tools=TOOLS, max_tokens=8, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the tools block, the call and its result are all in the prompt
+    bare = _chat(server, history[:2], max_tokens=1).json()["usage"]["prompt_tokens"]
+    assert reply.usage.prompt_tokens > bare + 60
+
+
+def test_second_turn_reuses_the_shared_system_prompt(server):
+    system = (f"Session {uuid.uuid4().hex}. You are a careful assistant for a travel agency. "
+              + "Answer briefly, politely and accurately; never invent facts. " * 12)
+    first = [{"role": "system", "content": system},
+             {"role": "user", "content": "Suggest one city to visit in Italy."}]
+    one = server.openai().chat.completions.create(model=MODEL, messages=first, max_tokens=8,
+                                                  temperature=0, tools=TOOLS)
+    assert one.usage.prompt_tokens > 200
+    second = first + [{"role": "assistant", "content": one.choices[0].message.content or ""},
+                      {"role": "user", "content": "And one in Spain?"}]
+    chunks = list(server.openai().chat.completions.create(
+        model=MODEL, messages=second, max_tokens=8, temperature=0, tools=TOOLS, stream=True,
+        stream_options={"include_usage": True}))
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert cached >= 192  # at least the system prompt's and tools' whole pages
+    assert server.metric("xlr_prefix_cache_hits_total", tier="stable") >= 192
+
+
+def test_concurrent_streams_equal_each_request_sent_alone(server):
+    prompts = [f"Count from {i} to {i + 5}." if i % 2 else f"Name a fruit that is number {i}."
+               for i in range(6)]
+
+    def stream(prompt):
+        with server.http.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 10, "temperature": 0, "stream": True}) as r:
+            assert r.status_code == 200
+            events = _sse_events(r)
+        assert events[-1] == "[DONE]"
+        return "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1]
+                       if e["choices"])
+
+    alone = {p: stream(p) for p in prompts}
+    with ThreadPoolExecutor(12) as pool:
+        together = list(pool.map(stream, prompts * 2))
+    assert together == [alone[p] for p in prompts * 2]
+    assert server.http.get("/health").status_code == 200
+
+
+def test_a_full_waiting_queue_answers_503_with_retry_after(server):
+    def send(i):
+        return _chat(server, [{"role": "user", "content": f"Say {i}."}], max_tokens=4)
+
+    with ThreadPoolExecutor(40) as pool:
+        responses = list(pool.map(send, range(40)))
+    refused = [r for r in responses if r.status_code == 503]
+    assert refused and all(r.status_code in (200, 503) for r in responses)
+    assert refused[0].headers["retry-after"]
+    _assert_openai_error(refused[0], 503)
+
+
+def test_bad_input_is_answered_in_openai_shape(server):
+    user = [{"role": "user", "content": "Hi"}]
+    post = server.http.post
+    url = "/v1/chat/completions"
+    _assert_openai_error(post(url, content=b'{"model": "smollm2", "messages": [',
+                              headers={"content-type": "application/json"}), 400)
+    error = _assert_openai_error(post(url, json={"messages": "hi"}), 400)
+    assert error["param"] == "messages"
+    _assert_openai_error(post(url, json={"messages": user, "temperature": "hot"}), 400)
+    _assert_openai_error(post(url, json={"messages": user, "model": "gpt-9"}), 404)
+    _assert_openai_error(post(url, json={"messages": []}), 400)
+    for bad in (0, -5):
+        error = _assert_openai_error(post(url, json={"messages": user, "max_tokens": bad}), 400)
+        assert error["param"] == "max_tokens"
+    assert "n must be 1" in _assert_openai_error(
+        post(url, json={"messages": user, "n": 3}), 400)["message"]
+    _assert_openai_error(post(url, content=b'{"messages": [{"role": "user", "content": '
+                                           b'"\xff\xfe"}]}'), 400)
+    _assert_openai_error(post(url, content=b"x" * (20 * 1024 * 1024)), 413)
+    _assert_openai_error(post("/v1/completions", json={"prompt": ""}), 400)
+    error = _assert_openai_error(post(url, json={"messages": [
+        {"role": "user", "content": "hello " * 9000}]}), 400)
+    assert re.search(r"This model's maximum context length is 8192 tokens\. However, your "
+                     r"messages resulted in \d{4,} tokens\.", error["message"])
+    # unknown fields are ignored; a huge max_tokens is clamped, not refused
+    ok = _chat(server, user, max_tokens=10 ** 9, stop=["."], reasoning_effort="low",
+               parallel_tool_calls=True, made_up={"x": 1})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+    assert server.http.get("/health").json()["status"] == "ok"
+
+
+def test_api_key_is_required_on_v1_routes(server):
+    plain = httpx.Client(base_url=server.url, timeout=30)
+    error = _assert_openai_error(plain.get("/v1/models"), 401)
+    assert error["type"] == "authentication_error"
+    _assert_openai_error(plain.post("/v1/chat/completions", json={},
+                                    headers={"Authorization": "Bearer wrong"}), 401)
+    assert plain.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}
+                     ).status_code == 200
+    assert plain.get("/health").status_code == 200  # probes stay open
+
+
+def _idle(server, timeout=30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (server.metric("xlr_num_requests_running") == 0
+                and server.metric("xlr_num_requests_waiting") == 0
+                and server.metric("xlr_kv_pages_held") == 0):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_client_that_disconnects_cancels_its_request(server):
+    assert _idle(server)
+    long = [{"role": "user", "content": "Write a very long story about a dragon."}]
+    with server.http.stream("POST", "/v1/chat/completions", json={
+            "model": MODEL, "messages": long, "max_tokens": 2000, "temperature": 0,
+            "stream": True}) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        for _ in range(6):
+            next(lines)
+    # the stream was closed after a few tokens: the request stops, its pages come back
+    assert _idle(server, 15)
+    # a whole (non-streamed) request whose client gives up is cancelled too
+    with pytest.raises(httpx.TimeoutException):
+        server.http.post("/v1/chat/completions", timeout=1.5, json={
+            "model": MODEL, "messages": long, "max_tokens": 2000, "temperature": 0})
+    assert _idle(server, 15)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        aborted = [e for e in server.log_entries() if e.get("finish_reason") == "abort"]
+        if len(aborted) >= 2:
+            break
+        time.sleep(0.2)
+    ids = {e["id"] for e in aborted}
+    assert first["id"] in ids
+    assert all(e["completion_tokens"] < 200 for e in aborted)
+
+
+def test_metrics_and_request_log(server):
+    assert server.metric("xlr_time_to_first_token_seconds_count") > 0
+    assert server.metric("xlr_e2e_request_latency_seconds_count") > 0
+    assert server.metric("xlr_inter_token_latency_seconds_count") > 0
+    assert server.metric("xlr_request_success_total", finished_reason="length") > 0
+    assert server.metric("xlr_request_success_total", finished_reason="abort") >= 2
+    assert server.metric("xlr_prompt_tokens_total") > server.metric(
+        "xlr_prompt_cached_tokens_total") > 0
+    assert server.metric("xlr_generation_tokens_total") > 0
+    assert server.metric("xlr_kv_pages_total") == server.metric("xlr_kv_pages_free") + \
+        server.metric("xlr_kv_pages_cached") + server.metric("xlr_kv_pages_held")
+    assert server.metric("xlr_prefix_cache_queries_total", tier="volatile") > 0
+    assert server.metric("xlr_request_errors_total", status="413") >= 1
+    text = server.http.get("/metrics").text
+    for name in ("xlr_request_queue_time_seconds", "xlr_kv_pages_pinned",
+                 "xlr_kv_cache_usage_perc", "xlr_spec_decode_num_draft_tokens_total",
+                 "xlr_spec_decode_num_accepted_tokens_total", "xlr_num_preemptions_total",
+                 "xlr_spec_decode_num_target_passes_total"):
+        assert name in text
+    entries = [e for e in server.log_entries() if "request_id" in e]
+    assert entries and all({"id", "ttft_s", "e2e_s", "prompt_tokens", "completion_tokens",
+                            "cached_tokens", "finish_reason"} <= set(e) for e in entries
+                           if e["finish_reason"] != "abort")
+    raw = (server.log_dir / "requests.jsonl").read_text()
+    assert "travel agency" not in raw and "dragon" not in raw  # no prompt text
+
+
+def test_sigterm_drains_requests_in_flight(server):
+    """Last: it stops the module's server."""
+    got: dict = {}
+    started = threading.Event()
+
+    def stream():
+        with server.http.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}],
+                "max_tokens": 24, "temperature": 0, "stream": True}) as r:
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+            got["events"] = events
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    assert started.wait(60)
+    server.proc.send_signal(signal.SIGTERM)
+    worker.join(120)
+    assert server.proc.wait(120) == 0
+    events = got["events"]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("length", "stop")
+    with pytest.raises(httpx.TransportError):  # the listener is gone
+        httpx.get(server.url + "/health", timeout=2)
+    assert "drained" in server.stderr_path.read_text()
+
+
+# ------------------------------------------------------------------ tool calls (no server)
+
+CALLS = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+         '\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}'
+         '</tool_call>\n')
+
+
+def _feed(pieces):
+    parser = ToolCallParser()
+    events = [e for p in pieces for e in parser.feed(p)] + parser.finish()
+    content = "".join(e[1] for e in events if e[0] == "content")
+    calls = [(e[1].index, e[1].name, e[1].arguments) for e in events if e[0] == "arguments"]
+    starts = [e[1].index for e in events if e[0] == "start"]
+    return content, calls, starts, events
+
+
+def test_tool_calls_parse_from_whole_text():
+    content, calls = parse_whole(CALLS)
+    assert content == "I will check.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    assert [c.index for c in calls] == [0, 1] and len({c.id for c in calls}) == 2
+    assert all(c.id.startswith("call_") for c in calls)
+    assert parse_whole('<tool_call>{"name": "f", "arguments": {}}')[1][0].name == "f"
+    assert parse_whole("just text, a < sign and <tool") == ("just text, a < sign and <tool", [])
+
+
+@pytest.mark.parametrize("text", [CALLS, "plain <b>text</b> with <tool_ and no call",
+                                  '<tool_call>{"name": broken}</tool_call> tail'])
+def test_tool_call_stream_split_at_every_position(text):
+    whole_content, whole_calls, _, _ = _feed([text])
+    for i in range(len(text) + 1):
+        assert _feed([text[:i], text[i:]])[:2] == (whole_content, whole_calls), i
+    content, calls, starts, events = _feed(list(text))  # one character at a time
+    assert (content, calls) == (whole_content, whole_calls)
+    assert starts == [c[0] for c in calls]
+    # each call: its start event (index, id, name), then its arguments
+    kinds = [e[0] for e in events if e[0] != "content"]
+    assert kinds == ["start", "arguments"] * len(calls)
+
+
+def test_a_partial_tag_is_held_back_and_text_before_a_tag_streams():
+    parser = ToolCallParser()
+    assert parser.feed("Sure <tool_") == [("content", "Sure ")]
+    assert parser.feed('call>{"name": "f", "arg') == []
+    events = parser.feed('uments": {"a": 1}}</tool_call>')
+    assert [e[0] for e in events] == ["start", "arguments"]
+    assert events[0][1].name == "f" and json.loads(events[1][1].arguments) == {"a": 1}
+
+
+def test_malformed_calls_stay_content():
+    for text in ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+                 '<tool_call>not json</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+                 '<tool_call>{"name": "f", "arguments": {"a": 1}'):
+        content, calls = parse_whole(text)
+        assert calls == [] and content == text
+
+
+def test_tools_render_deterministically_first_in_the_system_prompt():
+    shuffled = [{"function": {"parameters": TOOLS[0]["function"]["parameters"],
+                              "name": "get_weather",
+                              "description": "The weather in a city"}, "type": "function"}]
+    assert tools_block(TOOLS) == tools_block(shuffled)
+    assert render_tool(TOOLS[0]).index('"function"') < render_tool(TOOLS[0]).index('"type"')
+    body = ChatCompletionRequest(messages=[
+        {"role": "developer", "content": "Be kind."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"}], tools=TOOLS)
+    simple = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    rendered, tools = chat_messages.prepare(body.messages, body.tools, simple)
+    assert tools is None  # this template cannot take them: the Hermes block instead
+    assert rendered[0]["role"] == "system"
+    assert rendered[0]["content"].startswith("You can call functions")
+    assert rendered[0]["content"].endswith("Be kind.")
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in \
+        rendered[2]["content"]
+    assert rendered[3] == {"role": "user", "content": "<tool_response>\ncold\n</tool_response>"}
+    native = "{% if tools %}{{ tools | tojson }}{% endif %}{{ messages | length }}"
+    rendered, tools = chat_messages.prepare(body.messages, body.tools, native)
+    assert tools and rendered[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert rendered[0]["role"] == "system" and rendered[3]["role"] == "tool"
+
+
+def test_serve_help_and_the_exposure_warning():
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "xlr_jax.cli", "serve", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    help_text = cli("--help").stdout
+    for flag in ("--host", "--port", "--api-key", "--served-model-name", "--max-waiting",
+                 "--request-log", "--cache-dir", "--no-prefix-cache", "--drain-timeout"):
+        assert flag in help_text
+    # a non-loopback address without a key is warned about (before any model loads)
+    bad = cli("--host", "0.0.0.0", "--port", "70000")
+    assert bad.returncode == 2 and "without --api-key" in bad.stderr
+    assert "--port must be" in bad.stderr
