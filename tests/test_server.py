@@ -24,6 +24,7 @@ except ImportError:  # the openai client's own HTTP library, where it is httpx2
 
 from xlr_jax.server import messages as chat_messages
 from xlr_jax.server.protocol import ChatCompletionRequest
+from xlr_jax.server.tiers import RecentHeads, marked_messages
 from xlr_jax.server.tool_calls import ToolCallParser, parse_whole, render_tool, tools_block
 
 KEY = "test-key-123"
@@ -334,6 +335,60 @@ def test_a_client_that_disconnects_cancels_its_request(server):
     assert all(e["completion_tokens"] < 200 for e in aborted)
 
 
+def _logged(server, response_id: str) -> dict:
+    """The request log's entry for a response (written by a background thread)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        found = [e for e in server.log_entries() if e.get("id") == response_id]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"{response_id} is not in the request log")
+
+
+def test_stable_tier_ends_where_recent_system_prompts_stop_agreeing(server):
+    """An agent's system prompt that ends in a changing line (a date, a session id):
+    from the second request on, the stable tier is the part the requests share, in
+    whole pages, so it is pinned once and hit by every later request; a system part
+    that repeats whole stays stable whole."""
+    base = f"Agent {uuid.uuid4().hex}. You plan trips and answer in one line. " * 12
+
+    def ask(tail: str) -> dict:
+        r = _chat(server, [{"role": "system", "content": f"{base}\nToday is {tail}."},
+                           {"role": "user", "content": "Hi"}], max_tokens=2)
+        assert r.status_code == 200, r.text
+        return _logged(server, r.json()["id"])
+
+    first, second, third, again = (ask(f"day {n}") for n in (1, 2, 3, 3))
+    page = 64  # the CPU plan's page size
+    shared = second["stable_tokens"]
+    assert first["stable_tokens"] > shared and shared % page == 0
+    assert shared >= first["stable_tokens"] - 2 * page  # only the date's page(s) left out
+    assert third["stable_tokens"] == shared and third["stable_cached_tokens"] == shared
+    assert again["stable_tokens"] == first["stable_tokens"]  # a repeat keeps it all
+
+
+def test_a_cache_control_part_ends_the_stable_tier(server):
+    base = f"Agent {uuid.uuid4().hex}. Be brief and exact. " * 10
+
+    def ask(tail: str, marked: bool) -> dict:
+        parts = [{"type": "text", "text": base}, {"type": "text", "text": f"Today is {tail}."}]
+        if marked:
+            parts[0]["cache_control"] = {"type": "ephemeral"}
+        # a user message of over a page: the prompt runs past the tier's partial last
+        # page, which is published (and hit) only then
+        r = _chat(server, [{"role": "system", "content": parts},
+                           {"role": "user", "content": "Hi, please answer. " * 20}],
+                  max_tokens=2)
+        assert r.status_code == 200, r.text
+        return _logged(server, r.json()["id"])
+
+    whole = ask("May 1", marked=False)
+    one, two = ask("May 2", marked=True), ask("June 3", marked=True)
+    assert 0 < one["stable_tokens"] == two["stable_tokens"] < whole["stable_tokens"] - 3
+    assert two["stable_cached_tokens"] == two["stable_tokens"]  # the marked tier hits
+
+
 def test_metrics_and_request_log(server):
     assert server.metric("xlr_time_to_first_token_seconds_count") > 0
     assert server.metric("xlr_e2e_request_latency_seconds_count") > 0
@@ -488,3 +543,29 @@ def test_serve_help_and_the_exposure_warning():
     bad = cli("--host", "0.0.0.0", "--port", "70000")
     assert bad.returncode == 2 and "without --api-key" in bad.stderr
     assert "--port must be" in bad.stderr
+
+
+def test_recent_heads_cut_the_stable_tier_to_the_shared_pages():
+    recent = RecentHeads(page_size=4)
+    one = list(range(100, 110)) + [1, 2]          # 10 shared tokens, then a tail
+    two = list(range(100, 110)) + [3, 4, 5]
+    assert recent.cut(one + [9, 9], (12, 13)) == (12, 13)  # the first of its kind: whole
+    assert recent.cut(two + [9], (13, 13)) == (8, 13)       # 10 shared -> 2 whole pages
+    assert recent.cut(one + [7], (12, 12)) == (12, 12)      # it repeats whole
+    assert recent.cut([100, 101, 5, 6, 7], (5, 5)) == (5, 5)  # shares under a page
+    assert recent.cut([1, 2], (0, 1)) == (0, 1)             # no system part
+
+
+def test_cache_control_marks_cut_the_leading_system_messages():
+    body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [
+        {"role": "system", "content": [{"type": "text", "text": "a"},
+                                       {"type": "text", "text": "b",
+                                        "cache_control": {"type": "ephemeral"}},
+                                       {"type": "text", "text": "c"}]},
+        {"role": "user", "content": [{"type": "text", "text": "u",
+                                      "cache_control": {"type": "ephemeral"}}]}]})
+    cut = marked_messages(body.messages)
+    assert len(cut) == 1 and [p.text for p in cut[0].content] == ["a", "b"]
+    plain = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "u"}]})
+    assert marked_messages(plain.messages) is None

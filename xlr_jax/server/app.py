@@ -36,6 +36,7 @@ from xlr_jax.server.protocol import (SSE_DONE, APIError, ChatCompletionRequest,
                                      context_error, error_body, error_response, new_id, now,
                                      openai_error_schema, sse, usage)
 from xlr_jax.server.request_log import RequestLog
+from xlr_jax.server.tiers import RecentHeads, marked_messages, shared_prefix
 from xlr_jax.server.tool_calls import ToolCallParser, parse_whole
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -136,6 +137,7 @@ class Server:
         self.created = now()
         self.max_stall = 0.0
         self._pending: set = set()  # tasks recording cancelled requests
+        self.recent = RecentHeads(model.plan.page_size)  # system parts of recent requests
 
     # -------------------------------------------------------------- checks
 
@@ -184,6 +186,22 @@ class Server:
         if len(ids) >= self.max_context:
             raise context_error(self.max_context, len(ids))
         return ids, tiers
+
+    def encode_chat(self, body, template: str | None) -> tuple[list[int], tuple[int, int]]:
+        """A conversation's (ids, tiers), on a worker thread: `Model.encode`'s, with the
+        stable tier ending where the client marked it (`cache_control`) or where the
+        system parts of recent requests stop agreeing (see tiers.py)."""
+        msgs, tools = chat_messages.prepare(body.messages, body.tools, template)
+        ids, tiers = self.model.encode(msgs, tools)
+        marked = marked_messages(body.messages)
+        if marked is None:
+            return ids, self.recent.cut(ids, tiers)
+        head_msgs, head_tools = chat_messages.prepare(marked, body.tools, template)
+        tokenizer = self.model.tokenizer
+        head = tokenizer.encode(tokenizer.apply_chat_template(
+            head_msgs, add_generation_prompt=False, tools=head_tools))
+        stable = shared_prefix(ids, head)
+        return ids, (stable, max(tiers[1], stable))
 
     def submit(self, ids, tiers, body, max_tokens: int | None, logprobs: int | None):
         """Queue the request on the model (cheap: the prompt is ids already)."""
@@ -441,10 +459,10 @@ def create_app(model, *, served_model_name: str, api_key: str | None = None,
         max_tokens = server.requested_max_tokens(
             *((body.max_completion_tokens, "max_completion_tokens")
               if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")))
-        msgs, tools = chat_messages.prepare(body.messages, body.tools, template)
         ids, tiers = await server.encode(
-            call, lambda: model.encode(msgs, tools),
-            lambda: len(tokenizer.encode(model.chat_prompt(msgs, tools))))
+            call, lambda: server.encode_chat(body, template),
+            lambda: len(tokenizer.encode(model.chat_prompt(
+                *chat_messages.prepare(body.messages, body.tools, template)))))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         handle = server.submit(ids, tiers, body, max_tokens, logprobs)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
