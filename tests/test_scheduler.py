@@ -322,6 +322,18 @@ def test_stats_is_one_snapshot_of_the_engine(model):
         after["pages_total"]
 
 
+def test_queue_time_counts_the_wait_for_a_batch_slot(model):
+    """metrics["queue_s"]: from submission to first joining the running batch. With one
+    request more than the batch holds, the last waits for a slot: longer than the
+    first, which joined at once, and never past its own first token."""
+    handles = [model.submit(f"Say the number {i}.", max_tokens=12, ignore_eos=True)
+               for i in range(model.plan.max_batch + 1)]
+    results = [h.result() for h in handles]
+    queue = [r.metrics["queue_s"] for r in results]
+    assert all(0 <= q <= r.metrics["ttft_s"] for q, r in zip(queue, results))
+    assert queue[-1] > queue[0] + 0.05  # it waited at least a step or two
+
+
 def test_forced_tokens_join_the_output_at_a_step_boundary(model):
     """force() appends tokens as if generated; generation goes on from them, as a request
     whose prompt ended with them would."""

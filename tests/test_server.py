@@ -29,7 +29,7 @@ from xlr_jax.server.tool_calls import ToolCallParser, parse_whole, render_tool, 
 
 KEY = "test-key-123"
 MODEL = "smollm2"
-MAX_WAITING = 16
+MAX_WAITING = 64
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "required": ["city"],
@@ -222,23 +222,29 @@ def test_second_turn_reuses_the_shared_system_prompt(server):
 
 
 def test_concurrent_streams_equal_each_request_sent_alone(server):
+    """64 streaming clients, 2 requests each, over 8 prompts: every answer equals the
+    prompt's answer sent alone, and the server stays up."""
     prompts = [f"Count from {i} to {i + 5}." if i % 2 else f"Name a fruit that is number {i}."
-               for i in range(6)]
+               for i in range(8)]
 
     def stream(prompt):
         with server.http.stream("POST", "/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": 10, "temperature": 0, "stream": True}) as r:
+                "max_tokens": 8, "temperature": 0, "stream": True}) as r:
             assert r.status_code == 200
             events = _sse_events(r)
         assert events[-1] == "[DONE]"
         return "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1]
                        if e["choices"])
 
+    def client(i):
+        return [stream(prompts[(i + k) % len(prompts)]) for k in range(2)]
+
     alone = {p: stream(p) for p in prompts}
-    with ThreadPoolExecutor(12) as pool:
-        together = list(pool.map(stream, prompts * 2))
-    assert together == [alone[p] for p in prompts * 2]
+    with ThreadPoolExecutor(64) as pool:
+        together = list(pool.map(client, range(64)))
+    assert together == [[alone[prompts[(i + k) % len(prompts)]] for k in range(2)]
+                        for i in range(64)]
     assert server.http.get("/health").status_code == 200
 
 
@@ -246,8 +252,8 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(server):
     def send(i):
         return _chat(server, [{"role": "user", "content": f"Say {i}."}], max_tokens=4)
 
-    with ThreadPoolExecutor(40) as pool:
-        responses = list(pool.map(send, range(40)))
+    with ThreadPoolExecutor(150) as pool:  # well past max_waiting + the batch
+        responses = list(pool.map(send, range(150)))
     refused = [r for r in responses if r.status_code == 503]
     assert refused and all(r.status_code in (200, 503) for r in responses)
     assert refused[0].headers["retry-after"]
@@ -392,6 +398,7 @@ def test_a_cache_control_part_ends_the_stable_tier(server):
 def test_metrics_and_request_log(server):
     assert server.metric("xlr_time_to_first_token_seconds_count") > 0
     assert server.metric("xlr_e2e_request_latency_seconds_count") > 0
+    assert server.metric("xlr_request_queue_time_seconds_count") > 0
     assert server.metric("xlr_inter_token_latency_seconds_count") > 0
     assert server.metric("xlr_request_success_total", finished_reason="length") > 0
     assert server.metric("xlr_request_success_total", finished_reason="abort") >= 2

@@ -127,6 +127,7 @@ class _Request:
         self.protected = False  # preempted too often: admitted for its worst case, kept
         self.admitted_at = 0  # admission order: the newest running request is preempted first
         self.start, self.first_token_at, self.last_token_at = start, None, None
+        self.first_admitted: float | None = None  # when it first joined the running batch
 
     @property
     def prefilled(self) -> int:
@@ -221,6 +222,8 @@ class _Request:
             "prompt_tokens": len(self.prompt_ids),
             "completion_tokens": n,
             "total_s": last - self.start,
+            # waiting before it first joined the running batch (None: it never did)
+            "queue_s": (self.first_admitted - self.start) if self.first_admitted else None,
             "cached_tokens": self.cached_tokens,
             "preemptions": self.preemptions,
             "prefilled_tokens": len(self.prompt_ids) - self.cached_tokens,
@@ -539,6 +542,7 @@ class Engine:
                 break  # wait for running sequences to finish and free pages
             self.apply_copies(req.seq.reserve(req.context_len))
             req.admitted_at = next(self._admissions)
+            req.first_admitted = req.first_admitted or time.perf_counter()
             admitted.append(waiting.popleft())
         return admitted
 
