@@ -3,6 +3,7 @@ greedy outputs identical with the cache on and off on the embedded model, and ad
 never pins or restores pages promised to running requests."""
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 import xlr_jax
 from xlr_jax.kv.paged_kv import PagePool, SequencePages
 from xlr_jax.kv.prefix_cache import PrefixCache, chain_keys
+from xlr_jax.kv.tier_store import TierStore
 
 PS = 4
 
@@ -374,3 +376,30 @@ def test_pinned_tiers_give_way_least_recently_used_first(tiny_dir, tmp_path):
         solo.generate(prompt, max_tokens=14, ignore_eos=True).token_ids
     assert model.prefix_cache.registered() == [tuple(tiers[2])]
     idle_and_consistent(model, pinned=2)
+
+
+def test_tier_snapshots_keep_to_their_disk_quota(tmp_path):
+    """Past max_bytes, the least recently used snapshots go (a load counts as a use); the
+    one just written stays even alone over the quota."""
+    import os
+
+    pages = {"k": np.arange(4096, dtype=np.float32).reshape(1, 4, 1024)}  # 16 KiB
+    size = lambda: sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))  # noqa: E731
+    store = TierStore(tmp_path, "ns", max_bytes=10 ** 9)
+    for t in range(3):
+        store.save_async([t], pages)
+    store.flush()
+    one = size() // 3
+    for age, t in enumerate((2, 0, 1)):  # 2 is the oldest, then 0, then 1
+        os.utime(store.path([t]), (1000 + age, 1000 + age))
+    expect = {"k": (np.float32, (1, 4, 1024))}
+    assert store.load([2], expect) is not None  # used now: the newest of the three
+    store.max_bytes = 3 * one  # room for three: the fourth write evicts one
+    store.save_async([3], pages)
+    store.flush()
+    assert not store.path([0]).exists() and store.evicted == 1
+    assert all(store.path([t]).exists() for t in (1, 2, 3))
+    store.max_bytes = one // 2  # not even the newest fits: it stays, alone
+    store.save_async([4], pages)
+    store.flush()
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == [store.path([4]).name]

@@ -15,7 +15,7 @@ import numpy as np
 
 from xlr_jax.errors import InvalidRequestError
 from xlr_jax.kv.prefix_cache import TIERS
-from xlr_jax.kv.tier_store import TierStore
+from xlr_jax.kv.tier_store import DEFAULT_QUOTA, TierStore
 from xlr_jax.loading.registry import default_cache_dir, resolve_model
 from xlr_jax.loading.weights import ModelSource, load_weights, open_source
 from xlr_jax.model.decoder import params_from_arrays
@@ -37,7 +37,8 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                kv_dtype: str | None = None, hardware: HardwareProfile | None = None,
                prefix_cache: bool = True, cache_dir: str | os.PathLike | None = None,
                params_cache: bool = True, compile_cache: bool = True,
-               compiler_options: dict | None = None) -> "Model":
+               compiler_options: dict | None = None,
+               prefix_disk_quota: int = DEFAULT_QUOTA) -> "Model":
     """Load a model: "smollm2" (embedded), a .gguf file, a Hugging Face directory, or a
     source `xlr_jax.loading.weights.open_source` opened (with the same cache_dir).
 
@@ -60,6 +61,8 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     (executables/, jax-compile/) are kept (default ~/.cache/xlr-jax); a second process
     parses no model file, converts nothing, skips the stable tiers' prefill and compiles
     nothing. `model.load_info` says what came from the cache and what the load took.
+    prefix_disk_quota: bytes of stable-tier snapshots kept under cache_dir/prefix (the
+    least recently used go first; default 4 GiB).
     """
     for name, value in (("page_size", page_size), ("num_pages", num_pages),
                         ("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
@@ -92,7 +95,8 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                  f"-{execution.page_size}")
     engine = Engine.from_plan(source.config, params, source.tokenizer, execution,
                               prefix_cache=prefix_cache, cache_namespace=namespace,
-                              tier_store=TierStore(cache_root / "prefix", namespace))
+                              tier_store=TierStore(cache_root / "prefix", namespace,
+                                                   prefix_disk_quota))
     preloaded = engine.use_step_store(store) if store else 0
     load_info = {"load_s": time.perf_counter() - start, "params_s": loaded.load_s,
                  "params_from_cache": loaded.from_cache,

@@ -205,7 +205,10 @@ def cmd_serve(args) -> int:
     plan = {k: getattr(args, k) for k in ("max_context", "max_batch", "num_pages",
                                           "page_size", "prefill_chunk", "max_waiting")}
 
-    model = _load(args, **plan)
+    if args.prefix_disk_quota_gb < 0:
+        raise XlrError(f"--prefix-disk-quota-gb must be 0 or more (got "
+                       f"{args.prefix_disk_quota_gb})")
+    model = _load(args, prefix_disk_quota=int(args.prefix_disk_quota_gb * 2 ** 30), **plan)
     name = args.served_model_name or _default_served_name(args.model)
     print(f"serving {name!r} (context {model.plan.max_context} tokens) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
@@ -259,6 +262,10 @@ def _add_serve_parser(sub) -> None:
                    help="largest request body accepted; larger ones get 413 (default 8)")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="allow browser requests from ORIGIN (repeatable; default: CORS off)")
+    p.add_argument("--prefix-disk-quota-gb", type=float, default=4.0, metavar="GB",
+                   help="disk kept for stable prompt tiers under --cache-dir/prefix, so a "
+                        "restarted server skips their prefill; the least recently used go "
+                        "first (default 4)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")

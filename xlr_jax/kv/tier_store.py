@@ -11,6 +11,10 @@ tier is then prefilled as if there were no file) and replaced.
 Writes run on one background thread: the caller hands over device arrays
 already gathered from the pool (dispatch is asynchronous), the thread reads
 them back and writes a temporary file, then renames it into place.
+
+The directory has a disk quota (`max_bytes`, shared by every model writing there):
+after each write the least recently used snapshots (by modification time, which a
+load refreshes) are deleted until the rest fits; the one just written stays.
 """
 from __future__ import annotations
 
@@ -47,10 +51,16 @@ def _check_payload(raw: dict[str, np.ndarray], digest: str | None) -> None:
         raise ValueError("checksum mismatch")
 
 
+DEFAULT_QUOTA = 4 * 2 ** 30  # bytes of snapshots kept on disk
+
+
 class TierStore:
-    def __init__(self, root: str | os.PathLike, namespace: str):
+    def __init__(self, root: str | os.PathLike, namespace: str,
+                 max_bytes: int = DEFAULT_QUOTA):
         self.root = Path(root)
         self.namespace = namespace
+        self.max_bytes = max_bytes
+        self.evicted = 0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xlr-tier-store")
         self._pending: list[Future] = []
         self.written = self.loaded = self.rejected = 0
@@ -90,6 +100,7 @@ class TierStore:
             os.replace(tmp, final)  # atomic: a reader sees the old file or the whole new one
             mark_checked(final)
             self.written += 1
+            self._enforce_quota(keep=final)
         except OSError as e:  # a full or read-only disk costs the warm start, nothing else
             log.warning("could not persist a stable tier to %s: %s", final, e)
             tmp.unlink(missing_ok=True)
@@ -123,7 +134,30 @@ class TierStore:
             self.rejected += 1
             return None
         self.loaded += 1
+        try:
+            os.utime(path)  # recently used: the quota evicts it last
+        except OSError:
+            pass
         return arrays
+
+    def _enforce_quota(self, keep: Path) -> None:
+        """Delete the least recently used snapshots, never `keep`, until the directory's
+        snapshots fit in max_bytes."""
+        files = []
+        for path in self.root.glob("*.safetensors"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # another process evicted it meanwhile
+                continue
+            files.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files, key=lambda f: f[0]):
+            if total <= self.max_bytes:
+                break
+            if path != keep:
+                path.unlink(missing_ok=True)
+                total -= size
+                self.evicted += 1
 
     def flush(self) -> None:
         """Wait for queued writes (tests, shutdown)."""
