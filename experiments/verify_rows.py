@@ -21,8 +21,6 @@ import argparse
 import json
 import statistics
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 
@@ -96,7 +94,7 @@ def main(argv=None) -> dict:
                               else (args.contexts, args.reps, args.rounds))
 
     import xlr_jax
-    from xlr_jax.bench.run import environment, git_state
+    from xlr_jax.bench.run import write_result
 
     model = xlr_jax.load_model("smollm2", dtype="float32", cache_dir=args.cache_dir)
     model.shutdown()  # its loop stops: this process drives the engine's steps itself
@@ -118,23 +116,16 @@ def main(argv=None) -> dict:
                             "rows_over_separate": med["rows"] / med["separate"],
                             "runs_ms": split})
         seq.release()
-    result = {"experiment": "verify_rows",
-              "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "what": "one loop iteration: n-gram verify as rows of the ragged step vs "
+    result = {"what": "one loop iteration: n-gram verify as rows of the ragged step vs "
                       "a plain step and the request's own cycle (ms, medians)",
-              "environment": environment(uses_torch=False), "git": git_state(),
-              "quick": args.quick, "figures": figures}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = out / f"verify_rows{'-quick' if args.quick else ''}-{stamp}.json"
-    path.write_text(json.dumps(result, indent=2))
+              "figures": figures}
+    path = write_result(args.out, "verify_rows", result, args.quick)
     for f in figures:
         print(f"context {f['context']:5d}  plain {f['plain_streams']}  gamma {f['gamma']}  "
               f"rows {f['rows_ms']:6.1f} ms  separate {f['separate_ms']:6.1f} ms  "
               f"ratio {f['rows_over_separate']:.2f}")
     print(json.dumps({"out": str(path)}))
-    return result
+    return json.loads(path.read_text())
 
 
 if __name__ == "__main__":

@@ -1,10 +1,21 @@
-"""The online and verify-rows experiments run end to end (--quick) and report sane figures."""
+"""The online, verify-rows and serve-load experiments run end to end (--quick) and report sane
+figures."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_quick(script: str, tmp_path, cache_dir) -> dict:
+    """experiments/SCRIPT --quick into tmp_path; its one JSON result."""
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / script), "--quick",
+                          "--out", str(tmp_path), "--cache-dir", str(cache_dir)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (path,) = tmp_path.glob(f"{script.removesuffix('.py')}-*.json")
+    return json.loads(path.read_text())
 
 
 def test_online_engine_experiment_quick(tmp_path, cache_dir):
@@ -39,12 +50,7 @@ def test_online_engine_experiment_quick(tmp_path, cache_dir):
 def test_verify_rows_experiment_quick(tmp_path, cache_dir):
     """experiments/verify_rows.py --quick times both ways of verifying n-gram drafts for
     every mix it reports."""
-    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "verify_rows.py"),
-                          "--quick", "--out", str(tmp_path), "--cache-dir", str(cache_dir)],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (path,) = tmp_path.glob("verify_rows-quick-*.json")
-    r = json.loads(path.read_text())
+    r = run_quick("verify_rows.py", tmp_path, cache_dir)
     assert r["experiment"] == "verify_rows" and r["quick"] and "sha" in r["git"]
     mixes = {(f["plain_streams"], f["gamma"]) for f in r["figures"]}
     assert (0, 4) in mixes and any(plain for plain, _ in mixes)
@@ -52,3 +58,15 @@ def test_verify_rows_experiment_quick(tmp_path, cache_dir):
         assert f["rows"] == min(8, f["plain_streams"] + f["gamma"] + 1)
         assert f["rows_ms"] > 0 and f["separate_ms"] > 0
         assert abs(f["rows_over_separate"] - f["rows_ms"] / f["separate_ms"]) < 1e-9
+
+
+def test_serve_load_experiment_quick(tmp_path, cache_dir):
+    """experiments/serve_load.py --quick: a warm `xlr serve` answers every streaming client
+    and reports its event loop's stall."""
+    r = run_quick("serve_load.py", tmp_path, cache_dir)
+    assert r["experiment"] == "serve_load" and r["quick"] and "sha" in r["git"]
+    assert [f["clients"] for f in r["levels"]] == r["config"]["clients"]
+    for f in r["levels"]:
+        assert f["requests"] == f["clients"] * r["config"]["requests_per_client"]
+        assert f["throughput_tokens_per_s"] > 0 and 0 < f["ttft_p50_s"] <= f["ttft_p99_s"]
+        assert 0 <= r["startup_event_loop_max_stall_s"] <= f["event_loop_max_stall_s"]

@@ -134,7 +134,8 @@ def test_models_and_probe_endpoints(server):
     card = server.http.get(f"/v1/models/{MODEL}").json()
     assert card["context_length"] == card["max_model_len"] == 8192
     _assert_openai_error(server.http.get("/v1/models/nope"), 404)
-    assert server.http.get("/props").json()["default_generation_settings"]["n_ctx"] == 8192
+    for path in ("/props", "/v1/props"):  # llama.cpp's probe, and where hermes-agent looks too
+        assert server.http.get(path).json()["default_generation_settings"]["n_ctx"] == 8192
     assert server.http.get("/version").json()["version"]
     schema = server.http.get("/openapi.json").json()
     chat = schema["paths"]["/v1/chat/completions"]["post"]
@@ -399,7 +400,9 @@ def test_metrics_and_request_log(server):
     assert server.metric("xlr_time_to_first_token_seconds_count") > 0
     assert server.metric("xlr_e2e_request_latency_seconds_count") > 0
     assert server.metric("xlr_request_queue_time_seconds_count") > 0
-    assert server.metric("xlr_inter_token_latency_seconds_count") > 0
+    # streamed requests add a sample per gap between pieces, whole ones their mean once
+    assert server.metric("xlr_inter_token_latency_seconds_count") > \
+        2 * server.metric("xlr_e2e_request_latency_seconds_count")
     assert server.metric("xlr_request_success_total", finished_reason="length") > 0
     assert server.metric("xlr_request_success_total", finished_reason="abort") >= 2
     assert server.metric("xlr_prompt_tokens_total") > server.metric(
@@ -576,3 +579,31 @@ def test_cache_control_marks_cut_the_leading_system_messages():
     plain = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [
         {"role": "system", "content": "s"}, {"role": "user", "content": "u"}]})
     assert marked_messages(plain.messages) is None
+
+
+def test_operator_defaults_fill_what_requests_leave_out(model):
+    """`xlr serve --temperature 0 --max-tokens 5`: a request with no temperature decodes
+    greedily, and none generates more than 5 tokens, whatever it asks."""
+    import asyncio
+
+    from xlr_jax.server.app import Defaults, Server
+
+    server = Server(model, MODEL, None, 1, Defaults(temperature=0.0, max_tokens=5))
+    messages = [{"role": "user", "content": "Write a long poem about the sea."}]
+    ids, tiers = model.encode(messages)
+
+    def ask(**fields):
+        body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": messages,
+                                                     **fields})
+
+        async def run():
+            return await server.submit(ids, tiers, body, body.max_tokens, None).aresult()
+
+        return asyncio.run(run())
+
+    greedy = model.chat(messages, max_tokens=5)
+    for fields in ({"seed": 1}, {"seed": 2, "max_tokens": 10 ** 6}):
+        result = ask(**fields)
+        assert result.token_ids == greedy.token_ids and len(result.token_ids) <= 5
+    assert ask(temperature=1.0, seed=3, max_tokens=3).metrics["completion_tokens"] <= 3
+    server.pool.shutdown()

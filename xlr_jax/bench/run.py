@@ -142,6 +142,20 @@ def git_state() -> dict:
     return {"sha": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 
+def write_result(out_dir, experiment: str, result: dict, quick: bool = False) -> Path:
+    """Write an experiment's result as OUT/<experiment>[-quick]-<UTC time>.json, stamped
+    with its creation time, the environment and the git state; returns the path."""
+    now = datetime.now(timezone.utc)
+    result = {"experiment": experiment, "created": now.isoformat(timespec="seconds"),
+              "environment": environment(uses_torch=False), "git": git_state(),
+              "quick": quick, **result}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{experiment}{'-quick' if quick else ''}-{now:%Y%m%dT%H%M%SZ}.json"
+    path.write_text(json.dumps(result, indent=2))
+    return path
+
+
 @contextlib.contextmanager
 def git_worktree(repo: Path, rev: str, path: Path):
     """A detached worktree of `repo` at `rev` in `path` for the block, removed after (to run

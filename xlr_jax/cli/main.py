@@ -194,7 +194,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from xlr_jax.server.app import exposure_warning, serve  # FastAPI only for this command
+    from xlr_jax.server.app import Defaults, exposure_warning, serve  # FastAPI: here only
 
     args.model = args.model_pos or args.model
     warning = exposure_warning(args.host, args.api_key)
@@ -205,6 +205,8 @@ def cmd_serve(args) -> int:
     plan = {k: getattr(args, k) for k in ("max_context", "max_batch", "num_pages",
                                           "page_size", "prefill_chunk", "max_waiting")}
 
+    if args.temperature < 0 or (args.max_tokens is not None and args.max_tokens < 1):
+        raise XlrError("--temperature must be 0 or more and --max-tokens at least 1")
     if args.prefix_disk_quota_gb < 0:
         raise XlrError(f"--prefix-disk-quota-gb must be 0 or more (got "
                        f"{args.prefix_disk_quota_gb})")
@@ -216,7 +218,8 @@ def cmd_serve(args) -> int:
                  served_model_name=name, request_log_dir=args.request_log,
                  drain_timeout=args.drain_timeout,
                  max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-                 cors_origins=args.cors_origin, log_level=args.log_level)
+                 cors_origins=args.cors_origin, log_level=args.log_level,
+                 defaults=Defaults(args.temperature, args.max_tokens))
 
 
 def _default_served_name(model: str) -> str:
@@ -262,6 +265,12 @@ def _add_serve_parser(sub) -> None:
                    help="largest request body accepted; larger ones get 413 (default 8)")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="allow browser requests from ORIGIN (repeatable; default: CORS off)")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                   help="temperature of requests that do not set one (default 1.0, OpenAI's; "
+                        "agents that send none, like hermes-agent, get this; 0: greedy)")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="tokens a request may generate at most, and what one that does "
+                        "not say gets (default: what the context holds after its prompt)")
     p.add_argument("--prefix-disk-quota-gb", type=float, default=4.0, metavar="GB",
                    help="disk kept for stable prompt tiers under --cache-dir/prefix, so a "
                         "restarted server skips their prefill; the least recently used go "

@@ -115,6 +115,15 @@ class Guard:
 
 # ------------------------------------------------------------------ the app's state
 
+@dataclass(frozen=True)
+class Defaults:
+    """What a request gets for what it leaves out (the operator's `xlr serve --temperature
+    / --max-tokens`): OpenAI's temperature 1.0, and as many tokens as the context holds.
+    `max_tokens` also caps what a request may ask for."""
+    temperature: float = 1.0
+    max_tokens: int | None = None
+
+
 @dataclass
 class _Call:
     """One request's bookkeeping, for metrics and the request log."""
@@ -129,8 +138,9 @@ class _Call:
 class Server:
     """Everything the routes share: the model, its name, metrics, log and worker pool."""
 
-    def __init__(self, model, name: str, request_log: RequestLog | None, workers: int):
-        self.model, self.name, self.log = model, name, request_log
+    def __init__(self, model, name: str, request_log: RequestLog | None, workers: int,
+                 defaults: Defaults = Defaults()):
+        self.model, self.name, self.log, self.defaults = model, name, request_log, defaults
         self.max_context = model.plan.max_context
         self.metrics = ServerMetrics(model, name)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="xlr-tokenize")
@@ -205,8 +215,8 @@ class Server:
 
     def submit(self, ids, tiers, body, max_tokens: int | None, logprobs: int | None):
         """Queue the request on the model (cheap: the prompt is ids already)."""
-        limit = self.max_context - len(ids)
-        temperature = 1.0 if body.temperature is None else body.temperature
+        limit = min(self.max_context - len(ids), self.defaults.max_tokens or self.max_context)
+        temperature = self.defaults.temperature if body.temperature is None else body.temperature
         if body.seed is not None:
             seed = body.seed % 2 ** 32
         else:
@@ -248,11 +258,22 @@ class Server:
             if not handle.done:  # this task itself was cancelled
                 handle.cancel()
 
+    async def pieces(self, handle):
+        """A streamed request's text pieces as they come; every gap after the first is
+        one inter-token latency sample."""
+        last = None
+        async for piece in handle:
+            now = time.perf_counter()
+            if last is not None:
+                self.metrics.itl.observe(now - last)
+            last = now
+            yield piece
+
     def finished(self, call: _Call, handle, result, reason: str, tool_calls: int = 0,
                  error: str | None = None) -> None:
         e2e = time.perf_counter() - call.arrival
         if result is not None:
-            self.metrics.finished(result, reason, e2e)
+            self.metrics.finished(result, reason, e2e, call.stream)
         if self.log is None:
             return
         m = result.metrics if result is not None else {}
@@ -352,10 +373,11 @@ def _completion_logprobs(tokenizer, rows) -> dict | None:
 
 def create_app(model, *, served_model_name: str, api_key: str | None = None,
                request_log: RequestLog | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               workers: int = 4, cors_origins: list[str] | None = None) -> FastAPI:
+               workers: int = 4, cors_origins: list[str] | None = None,
+               defaults: Defaults = Defaults()) -> FastAPI:
     """An ASGI app serving `model` under `served_model_name` (the app does not own the
-    model: whoever loaded it shuts it down)."""
-    server = Server(model, served_model_name, request_log, workers)
+    model: whoever loaded it shuts it down); `defaults` fill what requests leave out."""
+    server = Server(model, served_model_name, request_log, workers, defaults)
     tokenizer = model.tokenizer
     template = tokenizer.chat_template if tokenizer is not None else None
 
@@ -438,6 +460,7 @@ def create_app(model, *, served_model_name: str, api_key: str | None = None,
         return Response(text, media_type=CONTENT_TYPE)
 
     @app.get("/props")
+    @app.get("/v1/props")
     async def props():
         """llama.cpp's probe: agent frameworks read the context from here."""
         return {"default_generation_settings": {"n_ctx": server.max_context,
@@ -605,7 +628,7 @@ def _chat_stream(server: Server, call: _Call, handle, parse_tools: bool,
 
     async def body():
         yield chunk({"role": "assistant", "content": ""})
-        async for piece in handle:
+        async for piece in server.pieces(handle):
             for text in (deltas(parser.feed(piece)) if parser else
                          [chunk({"content": piece})]):
                 yield text
@@ -632,7 +655,7 @@ def _completion_stream(server: Server, call: _Call, handle, include_usage: bool,
     outcome = _Outcome()
 
     async def body():
-        async for piece in handle:
+        async for piece in server.pieces(handle):
             yield chunk(piece)
         result = handle.result()
         outcome.reason, outcome.result = result.finish_reason, result
@@ -654,7 +677,8 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 def serve(model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str = "smollm2", request_log_dir=None,
           drain_timeout: float = 30.0, max_body_bytes: int = MAX_BODY_BYTES,
-          cors_origins: list[str] | None = None, log_level: str = "info") -> int:
+          cors_origins: list[str] | None = None, log_level: str = "info",
+          defaults: Defaults = Defaults()) -> int:
     """Serve `model` until SIGTERM or Ctrl-C. SIGTERM drains: the listener closes, requests
     in flight run to their end (at most `drain_timeout` seconds, then they are cancelled),
     then the model stops and this returns 0."""
@@ -663,7 +687,7 @@ def serve(model, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | No
     log = RequestLog(request_log_dir) if request_log_dir else None
     app = create_app(model, served_model_name=served_model_name, api_key=api_key,
                      request_log=log, max_body_bytes=max_body_bytes,
-                     cors_origins=cors_origins)
+                     cors_origins=cors_origins, defaults=defaults)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=drain_timeout, access_log=False,
                             proxy_headers=False, server_header=False)

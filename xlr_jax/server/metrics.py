@@ -39,8 +39,8 @@ class ServerMetrics:
                               "Time from a request's submission to its first token.",
                               _LATENCY_BUCKETS)
         self.itl = histogram("xlr_inter_token_latency_seconds",
-                             "Mean time between a request's tokens (one sample per request).",
-                             _ITL_BUCKETS)
+                             "Time between a streamed request's text pieces (one sample per "
+                             "gap); a whole request adds its mean gap once.", _ITL_BUCKETS)
         self.e2e = histogram("xlr_e2e_request_latency_seconds",
                              "Time from a request's arrival at the server to its end.",
                              _LATENCY_BUCKETS)
@@ -63,11 +63,12 @@ class ServerMetrics:
                                 labels, registry=r).labels(model_name)
         r.register(_EngineCollector(model, model_name))
 
-    def finished(self, result, reason: str, e2e_s: float) -> None:
+    def finished(self, result, reason: str, e2e_s: float, streamed: bool) -> None:
+        """A request's end; a streamed one's gaps were observed as its pieces came."""
         m = result.metrics
         if m.get("ttft_s") is not None:
             self.ttft.observe(m["ttft_s"])
-        if m.get("completion_tokens", 0) > 1:
+        if not streamed and m.get("completion_tokens", 0) > 1:
             self.itl.observe(m["itl_s"])
         if m.get("queue_s") is not None:
             self.queue.observe(m["queue_s"])
