@@ -607,3 +607,36 @@ def test_operator_defaults_fill_what_requests_leave_out(model):
         assert result.token_ids == greedy.token_ids and len(result.token_ids) <= 5
     assert ask(temperature=1.0, seed=3, max_tokens=3).metrics["completion_tokens"] <= 3
     server.pool.shutdown()
+
+
+def test_answers_the_model_aborts_end_in_an_error(cache_dir):
+    """The model stops (shuts down) under two requests in flight: the stream ends with a
+    `data:` error object and [DONE], the whole request gets a 503 in OpenAI's shape."""
+    import asyncio
+
+    import xlr_jax
+    from xlr_jax.server.app import create_app
+
+    own = xlr_jax.load_model("smollm2", dtype="float32", cache_dir=cache_dir)
+    app = create_app(own, served_model_name=MODEL)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}],
+            "max_tokens": 400, "temperature": 0}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://xlr", timeout=120) as client:
+            stream = asyncio.ensure_future(client.post(
+                "/v1/chat/completions", json={**body, "stream": True}))
+            whole = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+            while (await asyncio.to_thread(own.stats))["running"] < 2:
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(own.shutdown)
+            return await stream, await whole
+
+    stream, whole = asyncio.run(run())
+    events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "aborted" and "shutting down" in error["message"]
+    assert not any('"finish_reason":"abort"' in e for e in events)
+    assert _assert_openai_error(whole, 503)["code"] == "aborted"

@@ -41,6 +41,8 @@ from xlr_jax.server.tool_calls import ToolCallParser, parse_whole
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 RETRY_AFTER_S = 1
+# why an answer ended "abort" when neither its client nor its own error ended it
+ABORTED = "the model stopped before the answer was complete (the server is shutting down)"
 
 
 # ------------------------------------------------------------------ middleware
@@ -242,15 +244,24 @@ class Server:
             raise APIError(503, str(e), type="server_error", code="unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
-    async def wait(self, handle, request: Request):
-        """The whole result, cancelling the request if the client goes away first."""
+    async def wait(self, call: _Call, handle, request: Request):
+        """The whole result, cancelling the request if the client goes away first (its
+        result is then "abort"). One the engine aborted for another reason is recorded
+        and answered 503."""
         result_task = asyncio.ensure_future(handle.aresult())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({result_task, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not result_task.done():
                 handle.cancel()
-            return await result_task
+            result = await result_task
+            if result.finish_reason == "abort" and not gone.done():
+                message = result.metrics.get("error") or ABORTED
+                self.finished(call, handle, result, "abort", 0, message)
+                raise APIError(503, f"the request was aborted: {message}",
+                               type="server_error", code="aborted",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+            return result
         except XlrError as e:
             raise APIError(500, f"generation failed: {e}", type="server_error") from None
         finally:
@@ -493,7 +504,7 @@ def create_app(model, *, served_model_name: str, api_key: str | None = None,
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_chat_stream(server, call, handle, parse_tools, include_usage,
                                      tokenizer))
-        result = await server.wait(handle, request)
+        result = await server.wait(call, handle, request)
         content, calls = parse_whole(result.text) if parse_tools else (result.text, [])
         reason = _finish_reason(result, calls)
         server.finished(call, handle, result, reason, len(calls))
@@ -529,7 +540,7 @@ def create_app(model, *, served_model_name: str, api_key: str | None = None,
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_completion_stream(server, call, handle, include_usage, tokenizer))
-        result = await server.wait(handle, request)
+        result = await server.wait(call, handle, request)
         server.finished(call, handle, result, result.finish_reason)
         return {"id": call.id, "object": "text_completion", "created": now(),
                 "model": server.name, "system_fingerprint": None,
@@ -567,6 +578,19 @@ def _sse(events) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+class _Aborted(XlrError):
+    """The engine ended a request with finish_reason "abort" (the model shutting down)."""
+
+
+def _ended(handle, outcome: "_Outcome"):
+    """A finished stream's result; an aborted one raises `_Aborted` (sent as an error)."""
+    result = handle.result()
+    if result.finish_reason == "abort":
+        outcome.result = result
+        raise _Aborted(result.metrics.get("error") or ABORTED)
+    return result
+
+
 class _Outcome:
     """What a stream's body leaves for its ending: the result, the finish reason and how
     many tool calls it parsed (None result: the client went away first)."""
@@ -586,6 +610,10 @@ async def _guarded(server: Server, call: _Call, handle, body, outcome: _Outcome,
             yield text
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage(outcome.result.metrics)})
+    except _Aborted as e:
+        error = str(e)
+        yield sse(error_body(f"the request was aborted: {e}", type="server_error",
+                             code="aborted"))
     except XlrError as e:
         error = str(e)
         yield sse(error_body(f"generation failed: {e}", type="server_error"))
@@ -632,7 +660,7 @@ def _chat_stream(server: Server, call: _Call, handle, parse_tools: bool,
             for text in (deltas(parser.feed(piece)) if parser else
                          [chunk({"content": piece})]):
                 yield text
-        result = handle.result()
+        result = _ended(handle, outcome)
         for text in deltas(parser.finish()) if parser else []:
             yield text
         outcome.calls = len(parser.calls) if parser else 0
@@ -657,7 +685,7 @@ def _completion_stream(server: Server, call: _Call, handle, include_usage: bool,
     async def body():
         async for piece in server.pieces(handle):
             yield chunk(piece)
-        result = handle.result()
+        result = _ended(handle, outcome)
         outcome.reason, outcome.result = result.finish_reason, result
         yield chunk("", outcome.reason, _completion_logprobs(tokenizer, result.logprobs))
 
