@@ -58,12 +58,13 @@ def accept_block(key, draft_tokens, q_probs, p_probs, num_draft=None):
     return accepted, next_token.astype(jnp.int32)
 
 
-def accept_by_matching(drawn, draft_tokens, num_draft):
+def accept_by_matching(drawn, draft_tokens, num_draft, xp=jnp):
     """Exact acceptance of point-mass drafts (see the module): `drawn` [B, gamma + 1]
     holds each position's token drawn from p by the plain sampler, `draft_tokens`
     [B, gamma] the proposals, `num_draft` [B] how many are real. Returns (accepted
-    [B], next_token [B]) as `accept_block` does."""
+    [B], next_token [B]) as `accept_block` does. `xp=numpy` runs it on the host (on
+    draws a ragged step already read back)."""
     gamma = draft_tokens.shape[1]
-    same = (drawn[:, :gamma] == draft_tokens) & (jnp.arange(gamma) < num_draft[:, None])
-    accepted = jnp.sum(jnp.cumprod(same, axis=1), axis=1).astype(jnp.int32)
-    return accepted, jnp.take_along_axis(drawn, accepted[:, None], 1)[:, 0]
+    same = (drawn[:, :gamma] == draft_tokens) & (xp.arange(gamma) < num_draft[:, None])
+    accepted = xp.sum(xp.cumprod(same, axis=1), axis=1).astype(xp.int32)
+    return accepted, xp.take_along_axis(drawn, accepted[:, None], 1)[:, 0]

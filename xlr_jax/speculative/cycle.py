@@ -235,15 +235,16 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
     draft token [B, gamma], agreement sum_v min(p, q) at each draft position [B, gamma],
     kv, draft_kv): the row keeps `last`, drafts[:accepted] and then `next`. Exact:
     accepted by `accept_block`, or for host proposals by `accept_by_matching` on the
-    plain sampler's draws (`sampling.step` is the index of the token after `last`). SMC: every real draft is kept and `next` is a bonus
-    token from p; the host weighs the drafts a particle keeps before it stops.
+    plain sampler's draws (`sampling.step` is the index of the token after `last`; log p,
+    log q and agreement are zeros then: no request weighs or watches a point mass). SMC:
+    every real draft is kept and `next` is a bonus token from p; the host weighs the
+    drafts a particle keeps before it stops.
     """
     batch = last.shape[0]
     k_draft, k_accept = _row_keys(sampling, salt)
     vocab = config.vocab_size
     if draft_kind == "tokens":
         drafts = proposed
-        q = jax.nn.one_hot(drafts, vocab, dtype=jnp.float32)
     else:
         run = partial(_run_draft, last=last, positions=positions, num_draft=num_draft,
                       block_tables=block_tables, sampling=sampling, keys=k_draft,
@@ -262,16 +263,18 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
                          attn_impl=attn_impl)
     logits = lm_head(params, hidden).reshape(batch * (gamma + 1), vocab)
     per_position = jax.tree.map(lambda a: jnp.repeat(a, gamma + 1), sampling)
+    if draft_kind == "tokens":  # a point mass (exact only): plain sampling's draws decide
+        steps = (sampling.step[:, None] + offs).reshape(-1)
+        drawn = sample_rows(logits, per_position.replace(step=steps))
+        accepted, nxt = accept_by_matching(drawn.reshape(batch, gamma + 1), drafts, num_draft)
+        unweighed = jnp.zeros(drafts.shape, jnp.float32)  # no q to weigh or compare with
+        return accepted, nxt, drafts, unweighed, unweighed, unweighed, kv, draft_kv
     p = _probs(logits, per_position, sampler).reshape(batch, gamma + 1, vocab)
     pick = lambda probs: jnp.take_along_axis(probs, drafts[..., None], -1)[..., 0]  # noqa: E731
     log_p = jnp.log(jnp.maximum(pick(p[:, :gamma]), 1e-30))
     log_q = jnp.log(jnp.maximum(pick(q), 1e-30))
     agreement = jnp.sum(jnp.minimum(p[:, :gamma], q), axis=-1)
-    if method == "exact" and draft_kind == "tokens":  # point mass: plain sampling's draws
-        steps = (sampling.step[:, None] + offs).reshape(-1)
-        drawn = sample_rows(logits, per_position.replace(step=steps))
-        accepted, nxt = accept_by_matching(drawn.reshape(batch, gamma + 1), drafts, num_draft)
-    elif method == "exact":
+    if method == "exact":
         accepted, nxt = jax.vmap(lambda k, d, qq, pp, n: accept_block(
             k, d[None], qq[None], pp[None], n[None]))(k_accept, drafts, q, p, num_draft)
         accepted, nxt = accepted[:, 0], nxt[:, 0]

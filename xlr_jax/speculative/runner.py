@@ -39,6 +39,7 @@ from xlr_jax.errors import InvalidRequestError
 from xlr_jax.kv.paged_kv import PagedKV
 from xlr_jax.model.steps import Steps
 from xlr_jax.planning.mapper import particles_for, pick_bucket, powers_of_two_upto
+from xlr_jax.speculative.acceptance import accept_by_matching
 from xlr_jax.speculative.cycle import ModelDraft, SpecConfig
 from xlr_jax.speculative.smc import (block_increment, draw_keys, ess, log_mean_weight, pick_answer,
                                      resample, split)
@@ -208,13 +209,12 @@ class SpecRunner:
         """Take what a ragged step drew for a request's rows (its last token at
         `position`, then its `drafts`): each draw while the one before it matched its
         draft. Gives back the rejected positions' pages; returns the visible text."""
-        kept = [int(drawn[0])]
-        while len(kept) <= len(drafts) and kept[-1] == drafts[len(kept) - 1]:
-            kept.append(int(drawn[len(kept)]))
-        accepted = len(kept) - 1
+        (accepted,), (nxt,) = accept_by_matching(
+            np.asarray(drawn)[None], np.array([drafts], np.int32).reshape(1, -1),
+            np.array([len(drafts)]), xp=np)
         r.seq.trim(position + accepted + 1)
-        self._count(r, len(drafts), accepted)
-        piece, _ = _take(r, kept, now)
+        self._count(r, len(drafts), int(accepted))
+        piece, _ = _take(r, [*drafts[:accepted], int(nxt)], now)
         if r.finish_reason is not None:
             _summarize(r)
         return piece
