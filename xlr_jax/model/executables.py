@@ -83,7 +83,8 @@ def fingerprint(options, *example_args) -> str:
 def compile_fresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     """Compile without JAX's persistent cache: an executable fetched from it serializes
     without its kernels (jaxlib 0.10.2 on the CPU: "Function ... not found" when the
-    reloaded copy runs), so what goes into the store is always compiled here. The cache
+    reloaded copy runs), so what goes into the store is always compiled here; a load
+    without a store (compile_cache=False) asked for no cache at all. The cache
     is switched off while any of these compiles (they may run in parallel threads) and
     picked up again after the last."""
     with _persistent_cache_off():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,15 @@ def _all_logits(params: Params, kv: PagedKV, tokens, start, num_new, block_table
     return lm_head(params, hidden), kv
 
 
+@lru_cache(maxsize=8)
+def _jitted_all_logits(config: ModelConfig, attn_impl: str, compiler_options: tuple):
+    """One jitted `_all_logits` for every model with this config, attention and compile
+    options, so a second load in one process does not trace it again (see
+    speculative.cycle's `_jitted_cycle`)."""
+    return jax.jit(partial(_all_logits, config=config, attn_impl=attn_impl),
+                   donate_argnames="kv", compiler_options=dict(compiler_options) or None)
+
+
 class Steps:
     """The jitted step functions of one model; KV is donated to every call.
 
@@ -61,12 +70,12 @@ class Steps:
                  compiler_options: dict | None = None):
         self.config, self.buckets, self.attn_impl = config, buckets, attn_impl
         self.compiler_options = compiler_options or {}
-        # config bound per instance: jit caches are per function object, so each Steps
-        # counts (and owns) only its own compilations
-        fixed = dict(config=config, attn_impl=attn_impl)
-        jit = partial(jax.jit, donate_argnames="kv", compiler_options=compiler_options or None)
-        self._step = jit(partial(_step, pages_per_block=buckets.attn_block, **fixed))
-        self._all_logits = jit(partial(_all_logits, **fixed))
+        # the step is lowered and compiled per instance, ahead of time (`_executable`)
+        self._step = jax.jit(partial(_step, pages_per_block=buckets.attn_block,
+                                     config=config, attn_impl=attn_impl),
+                             donate_argnames="kv", compiler_options=compiler_options or None)
+        self._all_logits = _jitted_all_logits(config, attn_impl,
+                                              tuple(sorted(self.compiler_options.items())))
         # ("step", decode rows, chunk) -> executable
         self._aot: dict[tuple, jax.stages.Compiled] = {}
         self._zeros: dict[int, jax.Array] = {}  # rows -> zero bias on the device
@@ -115,8 +124,7 @@ class Steps:
         if exe is None:
             exe = self.store.load(key) if self.store else None
             if exe is None:
-                lowered = self._step.lower(params, kv, self._scratch(key))
-                exe = compile_fresh(lowered) if self.store else lowered.compile()
+                exe = compile_fresh(self._step.lower(params, kv, self._scratch(key)))
                 if self.store:
                     self.store.save(key, exe)
             self._aot[key] = exe
@@ -161,4 +169,6 @@ class Steps:
                 disable=not progress or None, leave=False)]
 
     def compilations(self) -> dict[str, int]:
+        """Step shapes this instance holds; `_all_logits` compilations of every model
+        sharing its jitted function."""
         return {"step": len(self._aot), "all_logits": self._all_logits._cache_size()}

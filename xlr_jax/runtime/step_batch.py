@@ -13,7 +13,6 @@ one token (the chunk's after its last real token).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from xlr_jax.model.sampling import SamplingBatch, SamplingParams
@@ -95,6 +94,8 @@ class StepBuilder:
         replaces the decode tokens written on the host."""
         rows = self.batch.block_tables.shape[0]
         sampling = SamplingBatch.build(self.params, self.steps, rows)
-        tokens = jnp.asarray(self.batch.decode_tokens) if decode_feed is None else decode_feed
+        # put, not jnp.asarray: that compiles a program (lax.stage) per row count
+        tokens = (jax.device_put(self.batch.decode_tokens) if decode_feed is None
+                  else decode_feed)
         bias = self.batch.bias if self.biased is None else self.biased
         return self.batch.replace(sampling=sampling, decode_tokens=tokens, bias=bias)

@@ -20,7 +20,7 @@ Drafts share one interface, `Draft.kind`:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 
 import jax
@@ -284,17 +284,27 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
     return accepted, nxt, drafts, log_p, log_q, agreement, kv, draft_kv
 
 
+@lru_cache(maxsize=8)
+def _jitted_cycle(config: ModelConfig, attn_impl: str, compiler_options: tuple):
+    """The jitted cycle of every model with this config, attention and compile options:
+    a second load in one process (a test's, a draft's) runs what the first compiled,
+    neither tracing again nor reading JAX's persistent cache back (XLA:CPU, jaxlib
+    0.10.2, now and then crashed deserializing what its own process had written)."""
+    return jax.jit(partial(_cycle, config=config, attn_impl=attn_impl),
+                   donate_argnames=("kv", "draft_kv"),
+                   static_argnames=("draft_config", "gamma", "draft_kind", "draft_layers",
+                                    "method", "sampler"),
+                   compiler_options=dict(compiler_options) or None)
+
+
 class SpecSteps:
-    """The jitted cycle of one target model, compiled per (rows, table width, gamma,
+    """The jitted cycle of a target model, compiled per (rows, table width, gamma,
     draft, method, sampling flags); the target's and the draft's KV are donated."""
 
     def __init__(self, config: ModelConfig, attn_impl: str = "auto",
                  compiler_options: dict | None = None):
-        self._cycle = jax.jit(partial(_cycle, config=config, attn_impl=attn_impl),
-                              donate_argnames=("kv", "draft_kv"),
-                              static_argnames=("draft_config", "gamma", "draft_kind",
-                                               "draft_layers", "method", "sampler"),
-                              compiler_options=compiler_options or None)
+        self._cycle = _jitted_cycle(config, attn_impl,
+                                    tuple(sorted((compiler_options or {}).items())))
 
     def cycle(self, params, kv, draft: Draft, draft_kv, last, positions, proposed, num_draft,
               block_tables, sampling, salt, *, gamma: int, method: str, sampler: str):
@@ -307,4 +317,5 @@ class SpecSteps:
                            method=method, sampler=sampler)
 
     def compilations(self) -> int:
+        """Cycles compiled for every model sharing this jitted cycle (see `_jitted_cycle`)."""
         return self._cycle._cache_size()
