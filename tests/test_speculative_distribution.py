@@ -12,6 +12,7 @@ continuations (shorter ones padded after EOS) with the enumerated ones.
 """
 import itertools
 
+import jax
 import numpy as np
 import pytest
 
@@ -105,6 +106,22 @@ class Enumerated:
 def cells(outcome: tuple) -> list[tuple]:
     padded = outcome + (-1,) * (LENGTH - len(outcome))
     return [(i, padded[i], padded[i + 1]) for i in range(LENGTH - 1)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_persistent_cache():
+    """This module compiles without JAX's persistent cache. In full runs XLA:CPU (jaxlib
+    0.10.2) aborted three times here, always in this module's filtered-sampler test,
+    deserializing a cycle that the same process had put in that cache. The module
+    runs alone without it, and its tiny model compiles in about a second."""
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()  # JAX decides once whether the cache is used: make it ask again
+    yield
+    jax.config.update("jax_enable_compilation_cache", was)
+    reset_cache()
 
 
 @pytest.fixture(scope="module")
