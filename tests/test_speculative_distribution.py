@@ -12,7 +12,6 @@ continuations (shorter ones padded after EOS) with the enumerated ones.
 """
 import itertools
 
-import jax
 import numpy as np
 import pytest
 
@@ -114,14 +113,10 @@ def no_persistent_cache():
     0.10.2) aborted three times here, always in this module's filtered-sampler test,
     deserializing a cycle that the same process had put in that cache. The module
     runs alone without it, and its tiny model compiles in about a second."""
-    from jax.experimental.compilation_cache.compilation_cache import reset_cache
+    from xlr_jax.model.executables import persistent_cache_off
 
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    reset_cache()  # JAX decides once whether the cache is used: make it ask again
-    yield
-    jax.config.update("jax_enable_compilation_cache", was)
-    reset_cache()
+    with persistent_cache_off():
+        yield
 
 
 @pytest.fixture(scope="module")

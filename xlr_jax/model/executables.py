@@ -87,7 +87,7 @@ def compile_fresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     without a store (compile_cache=False) asked for no cache at all. The cache
     is switched off while any of these compiles (they may run in parallel threads) and
     picked up again after the last."""
-    with _persistent_cache_off():
+    with persistent_cache_off():
         return lowered.compile()
 
 
@@ -105,8 +105,9 @@ def compile_for_later(lowerings: Callable[[], list[jax.stages.Lowered]]) -> None
 
 
 @contextlib.contextmanager
-def _persistent_cache_off():
-    """The switch is global: the first compile in turns it off, the last out back on."""
+def persistent_cache_off():
+    """JAX's persistent cache off for the block, from any thread (the switch is global:
+    the first block in turns it off, the last out back on)."""
     from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
     global _fresh_compiles, _cache_was_enabled

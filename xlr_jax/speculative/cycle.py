@@ -20,7 +20,7 @@ Drafts share one interface, `Draft.kind`:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from functools import lru_cache, partial
+from functools import cache, partial
 from pathlib import Path
 
 import jax
@@ -284,7 +284,7 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
     return accepted, nxt, drafts, log_p, log_q, agreement, kv, draft_kv
 
 
-@lru_cache(maxsize=8)
+@cache  # unbounded: an evicted one would be traced and read back again
 def _jitted_cycle(config: ModelConfig, attn_impl: str, compiler_options: tuple):
     """The jitted cycle of every model with this config, attention and compile options:
     a second load in one process (a test's, a draft's) runs what the first compiled,

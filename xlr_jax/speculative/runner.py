@@ -210,8 +210,8 @@ class SpecRunner:
         `position`, then its `drafts`): each draw while the one before it matched its
         draft. Gives back the rejected positions' pages; returns the visible text."""
         (accepted,), (nxt,) = accept_by_matching(
-            np.asarray(drawn)[None], np.array([drafts], np.int32).reshape(1, -1),
-            np.array([len(drafts)]), xp=np)
+            np.asarray(drawn)[None], np.asarray(drafts, np.int32)[None], np.array([len(drafts)]),
+            xp=np)
         r.seq.trim(position + accepted + 1)
         self._count(r, len(drafts), int(accepted))
         piece, _ = _take(r, [*drafts[:accepted], int(nxt)], now)
