@@ -14,6 +14,20 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs():
+    """Free a module's compiled programs as it ends: XLA:CPU holds ~2.5 memory maps per
+    kernel of every live executable, and a whole run keeping them all passed the
+    kernel's limit (vm.max_map_count) and segfaulted (README: Memory maps)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("xlr-cache")

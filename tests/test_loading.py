@@ -2,8 +2,10 @@
 
 These use a tiny GGUF written here (tests/tiny_gguf.py), so each cold load takes a second.
 """
+import contextlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import subprocess
@@ -201,6 +203,47 @@ def test_damaged_compiled_step_is_compiled_again(tiny, tmp_path, caplog):
     assert any("compiling it again" in r.getMessage() for r in caplog.records)
     assert again.generate(prompt, max_tokens=5, ignore_eos=True).token_ids == ref
     assert files[0].exists()  # compiled and stored again
+    assert xlr_jax.load_model(tiny, **kwargs).load_info["steps_preloaded"] == 2
+
+
+@contextlib.contextmanager
+def _memory_maps_left(left: int):
+    """Map anonymous pages (alternately read-only and writable, so the kernel cannot
+    merge neighbours) until `left` maps remain under vm.max_map_count; unmap on exit."""
+    limit_file = Path("/proc/sys/vm/max_map_count")
+    if not limit_file.exists():
+        pytest.skip("no vm.max_map_count on this system")
+    limit = int(limit_file.read_text())
+    regions = []
+    try:
+        while (missing := limit - left - len(Path("/proc/self/maps").read_bytes()
+                                                 .splitlines())) > 0:
+            for i in range(missing):
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if i % 2 else 0)
+                regions.append(mmap.mmap(-1, mmap.PAGESIZE, prot=prot))
+        yield
+    finally:
+        for region in regions:
+            region.close()
+
+
+def test_past_the_memory_map_limit_a_step_is_an_error_not_a_crash(tiny, tmp_path):
+    """XLA:CPU segfaults when its loader runs out of memory maps (vm.max_map_count): with
+    too few left, reading a stored step or compiling one raises MemoryMapLimitError,
+    naming the fix, and both work again once maps are freed."""
+    from xlr_jax.errors import MemoryMapLimitError
+    from xlr_jax.model.executables import MAP_HEADROOM
+
+    kwargs = dict(cache_dir=tmp_path, max_context=512)
+    prompt = "<|im_start|>user\nHello<|im_end|>\n"
+    ref = xlr_jax.load_model(tiny, **kwargs).generate(prompt, max_tokens=3).token_ids
+    fresh = xlr_jax.load_model(tiny, max_context=512, compile_cache=False)
+    with _memory_maps_left(MAP_HEADROOM - 64):
+        with pytest.raises(MemoryMapLimitError, match="vm.max_map_count"):
+            xlr_jax.load_model(tiny, **kwargs)  # reads the steps stored above
+        with pytest.raises(MemoryMapLimitError, match="free models you no longer use"):
+            fresh.generate(prompt, max_tokens=3)  # compiles its first step
+    assert fresh.generate(prompt, max_tokens=3).token_ids == ref
     assert xlr_jax.load_model(tiny, **kwargs).load_info["steps_preloaded"] == 2
 
 

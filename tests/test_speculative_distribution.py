@@ -107,18 +107,6 @@ def cells(outcome: tuple) -> list[tuple]:
     return [(i, padded[i], padded[i + 1]) for i in range(LENGTH - 1)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def no_persistent_cache():
-    """This module compiles without JAX's persistent cache. In full runs XLA:CPU (jaxlib
-    0.10.2) aborted three times here, always in this module's filtered-sampler test,
-    deserializing a cycle that the same process had put in that cache. The module
-    runs alone without it, and its tiny model compiles in about a second."""
-    from xlr_jax.model.executables import persistent_cache_off
-
-    with persistent_cache_off():
-        yield
-
-
 @pytest.fixture(scope="module")
 def target(tiny_models):
     return load(tiny_models.target)

@@ -35,3 +35,7 @@ class OutOfPagesError(XlrError):
 
 class QueueFullError(XlrError):
     """More requests are waiting than the model's max_waiting allows; retry later."""
+
+
+class MemoryMapLimitError(XlrError):
+    """One more compiled program would pass the process's memory-map limit."""

@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 
 import jax
 
+from xlr_jax.errors import MemoryMapLimitError
 from xlr_jax.loading.disk_cache import write_atomic
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ _fresh_compiles = 0  # compile_fresh calls running now
 _cache_was_enabled = True  # the persistent cache's switch before the first of them
 STORE_VERSION = 1
 PRELOAD_LIMIT = 8  # a longer session's other steps load when first needed
+# memory maps one more step may take: XLA:CPU maps ~2.5 regions per kernel it loads (the
+# embedded model's decode step, 439 kernels: ~1,100), a 30-layer 8B model's about as many
+MAP_HEADROOM = 4096
 
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # xlr_jax/, not this module's folder
@@ -80,6 +84,25 @@ def fingerprint(options, *example_args) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def ensure_map_headroom(need: int = MAP_HEADROOM) -> None:
+    """Raise MemoryMapLimitError if loading one more executable could pass the kernel's
+    limit on a process's memory maps (vm.max_map_count): there XLA:CPU's loader fails
+    to map its code ("LLVM compilation error: Cannot allocate memory", jaxlib 0.10.2)
+    and the process segfaults. Every live executable holds its maps until it is freed."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+        with open("/proc/self/maps", "rb") as maps:
+            used = sum(1 for _ in maps)
+    except (OSError, ValueError):  # not Linux: no such limit to watch
+        return
+    if used + need > limit:
+        raise MemoryMapLimitError(
+            f"this process holds {used:,} memory maps of the {limit:,} the kernel allows "
+            f"(vm.max_map_count), and a compiled step needs up to {need:,} more: free "
+            "models you no longer use (model.shutdown(); del model; jax.clear_caches()) "
+            "or raise the limit (sysctl -w vm.max_map_count=262144)")
+
+
 def compile_fresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     """Compile without JAX's persistent cache: an executable fetched from it serializes
     without its kernels (jaxlib 0.10.2 on the CPU: "Function ... not found" when the
@@ -87,7 +110,8 @@ def compile_fresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     without a store (compile_cache=False) asked for no cache at all. The cache
     is switched off while any of these compiles (they may run in parallel threads) and
     picked up again after the last."""
-    with persistent_cache_off():
+    ensure_map_headroom()
+    with _persistent_cache_off():
         return lowered.compile()
 
 
@@ -105,7 +129,7 @@ def compile_for_later(lowerings: Callable[[], list[jax.stages.Lowered]]) -> None
 
 
 @contextlib.contextmanager
-def persistent_cache_off():
+def _persistent_cache_off():
     """JAX's persistent cache off for the block, from any thread (the switch is global:
     the first block in turns it off, the last out back on)."""
     from jax.experimental.compilation_cache.compilation_cache import reset_cache
@@ -172,6 +196,7 @@ class ExecutableStore:
     def _read(self, key: tuple):
         from jax.experimental.serialize_executable import deserialize_and_load
 
+        ensure_map_headroom()
         path = self.directory / _file_name(key)
         try:
             blob = path.read_bytes()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from functools import cache, partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ def _all_logits(params: Params, kv: PagedKV, tokens, start, num_new, block_table
     return lm_head(params, hidden), kv
 
 
-@cache
+@lru_cache(maxsize=4)  # bounded, as speculative.cycle's `_jitted_cycle`
 def _jitted_all_logits(config: ModelConfig, attn_impl: str, compiler_options: tuple):
     """One jitted `_all_logits` for every model with this config, attention and compile
     options, so a second load in one process does not trace it again (see

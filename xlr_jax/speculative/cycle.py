@@ -20,7 +20,7 @@ Drafts share one interface, `Draft.kind`:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from functools import cache, partial
+from functools import lru_cache, partial
 from pathlib import Path
 
 import jax
@@ -284,12 +284,11 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
     return accepted, nxt, drafts, log_p, log_q, agreement, kv, draft_kv
 
 
-@cache  # unbounded: an evicted one would be traced and read back again
+@lru_cache(maxsize=4)  # bounded: each keeps its executables (and their memory maps)
 def _jitted_cycle(config: ModelConfig, attn_impl: str, compiler_options: tuple):
     """The jitted cycle of every model with this config, attention and compile options:
     a second load in one process (a test's, a draft's) runs what the first compiled,
-    neither tracing again nor reading JAX's persistent cache back (XLA:CPU, jaxlib
-    0.10.2, now and then crashed deserializing what its own process had written)."""
+    without tracing it again."""
     return jax.jit(partial(_cycle, config=config, attn_impl=attn_impl),
                    donate_argnames=("kv", "draft_kv"),
                    static_argnames=("draft_config", "gamma", "draft_kind", "draft_layers",
