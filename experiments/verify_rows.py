@@ -1,18 +1,21 @@
-"""Where n-gram drafts are verified (issue 13 §4): rows of the ragged step, or own cycle.
+"""Where exact drafts are verified (issue 13 §4): rows of the ragged step, or own cycle.
 
-An exact n-gram request can verify its last token and gamma drafts either as gamma + 1
-decode rows of the engine's ragged step (beside the plain requests' rows: one target
-pass for all) or in its own speculative cycle after that step. This times, in one
-process with the runs interleaved, one loop iteration each way for a few mixes of
-plain streams and one n-gram request (its drafts all real), at a few context lengths:
+An exact speculating request can verify its last token and gamma drafts either as
+gamma + 1 decode rows of the engine's ragged step (beside the plain requests' rows: one
+target pass for all) or in its own speculative cycle after that step. This times, in
+one process with the runs interleaved, one loop iteration each way for a few mixes of
+plain streams and one speculating request (its drafts all real), at a few context
+lengths, for the n-gram draft or a device draft (--draft self:K):
 
-- rows:     one ragged step of plain + gamma + 1 rows (capped at the largest bucket)
+- rows:     [a device draft's proposal pass, then] one ragged step of plain + gamma + 1
+            rows (capped at the largest bucket) [, then the judgement of its drafts]
 - separate: a ragged step of the plain rows (none when alone) + the cycle
 
 The engine's policy (Engine._loop) follows these figures: rows whenever the ragged step
 runs for other requests anyway, the request's own cycle when it is alone.
 
 Run: python experiments/verify_rows.py --out experiments/results/ [--contexts 300 1000]
+     [--draft self:20]
 (--quick: one context, few repetitions; a smoke test, not a measurement)
 """
 from __future__ import annotations
@@ -34,40 +37,60 @@ class _Row:
         self.params, self.seq = params, seq
 
 
-def timers(model, context: int):
-    """Functions that run one step of each kind on a sequence holding `context` tokens."""
+def timers(model, context: int, draft_name: str):
+    """Functions that run one loop iteration's parts on a sequence holding `context`
+    tokens: a ragged step of some rows (its logits), the rows' verification around it
+    (a device draft's proposal pass and judgement; nothing for n-gram), and a cycle."""
     from xlr_jax.kv.paged_kv import SequencePages
     from xlr_jax.model.sampling import SamplingParams
-    from xlr_jax.speculative.cycle import NgramDraft
+    from xlr_jax.speculative.cycle import resolve_draft
 
     e = model.engine
+    draft = resolve_draft(draft_name, e.config)
     seq = SequencePages(e.pool)
     seq.reserve(context + 16)
     seq.length = context
     width = e.steps.buckets.table_width
     params = SamplingParams()
+    row = [_Row(params, seq)]
+    sampling, sampler = e.sampling(row, 1, [1])
+    last, positions, salt = (np.full(1, v, np.int32) for v in (5, context, 0))
 
     def step(rows: int):
         if not rows:
-            return
+            return None
         build = e.steps.builder(rows, 0)
         for j in range(rows):
             build.decode(5, context + j, seq.block_table(width), params, j + 1)
-        tokens, _, _, e.kv = e.steps.step(e.params, e.kv, build.build())
+        tokens, logits, _, e.kv = e.steps.step(e.params, e.kv, build.build())
         np.asarray(tokens)
+        return logits
+
+    def rows_iteration(plain: int, gamma: int, rows: int):
+        drafts_in_rows = rows - plain - 1
+        if draft.kind == "tokens":
+            return step(rows)
+        # as the engine does: the draft runs gamma steps, the rows' room caps what counts
+        num_draft = np.full(1, drafts_in_rows, np.int32)
+        drafts, q, e.kv, _ = e.spec_steps.propose(
+            e.params, e.kv, draft, None, last, positions, num_draft, e.block_tables(row, 1),
+            sampling, salt, gamma=gamma, sampler=sampler)
+        np.asarray(drafts)  # the host builds the step's rows from them
+        logits = step(rows)
+        index = (plain + np.minimum(np.arange(gamma + 1), drafts_in_rows))[None]
+        accepted, _ = e.spec_steps.judge(logits, index.astype(np.int32), drafts, q, num_draft,
+                                         sampling, salt, sampler=sampler)
+        np.asarray(accepted)
 
     def cycle(gamma: int):
-        row = [_Row(params, seq)]
-        sampling, sampler = e.sampling(row, 1, [1])
         out = e.spec_steps.cycle(
-            e.params, e.kv, NgramDraft(), None, np.full(1, 5, np.int32),
-            np.full(1, context, np.int32), np.full((1, gamma), 7, np.int32),
-            np.full(1, gamma, np.int32), e.block_tables(row, 1), sampling,
-            np.zeros(1, np.int32), gamma=gamma, method="exact", sampler=sampler)
+            e.params, e.kv, draft, None, last, positions, np.full((1, gamma), 7, np.int32),
+            np.full(1, gamma, np.int32), e.block_tables(row, 1), sampling, salt,
+            gamma=gamma, method="exact", sampler=sampler)
         e.kv = out[6]
         np.asarray(out[0])
 
-    return step, cycle, seq
+    return step, rows_iteration, cycle, seq
 
 
 def median_ms(fn, reps: int) -> float:
@@ -87,6 +110,8 @@ def main(argv=None) -> dict:
                     help="tokens in the KV of every row")
     ap.add_argument("--reps", type=int, default=15, help="timed iterations per figure")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
+    ap.add_argument("--draft", default="ngram",
+                    help='the exact draft: "ngram" or a device draft "self:K"')
     ap.add_argument("--cache-dir", default=None, help="xlr-jax cache directory")
     ap.add_argument("--quick", action="store_true", help="one context, few repetitions")
     args = ap.parse_args(argv)
@@ -101,12 +126,12 @@ def main(argv=None) -> dict:
     top = model.engine.buckets.batch[-1]
     figures = []
     for context in contexts:
-        step, cycle, seq = timers(model, context)
+        step, rows_iteration, cycle, seq = timers(model, context, args.draft)
         for plain, gamma in MIXES:
             rows = min(top, plain + gamma + 1)
             split = {"rows": [], "separate": []}
             for _ in range(rounds):  # interleaved: each round times both ways
-                split["rows"].append(median_ms(lambda: step(rows), reps))
+                split["rows"].append(median_ms(lambda: rows_iteration(plain, gamma, rows), reps))
                 split["separate"].append(median_ms(
                     lambda: (step(plain), cycle(gamma)), reps))
             med = {k: statistics.median(v) for k, v in split.items()}
@@ -116,10 +141,11 @@ def main(argv=None) -> dict:
                             "rows_over_separate": med["rows"] / med["separate"],
                             "runs_ms": split})
         seq.release()
-    result = {"what": "one loop iteration: n-gram verify as rows of the ragged step vs "
-                      "a plain step and the request's own cycle (ms, medians)",
-              "figures": figures}
-    path = write_result(args.out, "verify_rows", result, args.quick)
+    result = {"what": f"one loop iteration: {args.draft} drafts verified as rows of the "
+                      "ragged step vs a plain step and the request's own cycle (ms, medians)",
+              "draft": args.draft, "figures": figures}
+    name = "verify_rows" + ("" if args.draft == "ngram" else "-" + args.draft.replace(":", ""))
+    path = write_result(args.out, name, result, args.quick)
     for f in figures:
         print(f"context {f['context']:5d}  plain {f['plain_streams']}  gamma {f['gamma']}  "
               f"rows {f['rows_ms']:6.1f} ms  separate {f['separate_ms']:6.1f} ms  "

@@ -76,7 +76,7 @@ def tiny_models(tmp_path_factory):
     torch.manual_seed(0)
     config = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                         vocab_size=8, max_position_embeddings=256, initializer_range=0.3,
+                         vocab_size=8, max_position_embeddings=1024, initializer_range=0.3,
                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=0)
     model = LlamaForCausalLM(config).float().eval()
     model.save_pretrained(root / "target", safe_serialization=True)

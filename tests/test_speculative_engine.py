@@ -81,6 +81,72 @@ def test_sampled_ngram_speculation_draws_what_plain_sampling_draws(model):
     assert model.engine.pool.refcounts.sum() == 0
 
 
+def test_device_drafts_verify_as_rows_beside_other_streams(model):
+    """Beside a plain stream, a self:K request proposes in a draft pass of its own and
+    verifies as rows of the stream's ragged steps (no cycle runs). Its drafts are judged
+    with the keys its own cycle uses: the same tokens as alone (in cycles), greedy and
+    seeded-sampled, and the stream's tokens are its tokens alone."""
+    spec = {"draft": "self:26", "gamma": 3}
+    cycles = lambda: model.stats()["speculative"]["cycles"]  # noqa: E731
+    stream = dict(max_tokens=96, ignore_eos=True, temperature=0.7, seed=9)
+    solo_stream = model.generate("Tell me about the sea.", **stream)
+    for kw in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 3}):
+        before = cycles()
+        alone = model.generate(CODE, max_tokens=24, speculative=spec, **kw)
+        assert cycles() > before
+        before = cycles()
+        other = model.submit("Tell me about the sea.", **stream)
+        beside = model.submit(CODE, max_tokens=24, speculative=spec, **kw).result()
+        assert other.result().token_ids == solo_stream.token_ids
+        assert beside.token_ids == alone.token_ids and cycles() == before
+        assert beside.metrics["draft_tokens"] > 0
+        assert beside.metrics["accepted_tokens"] == alone.metrics["accepted_tokens"]
+    assert model.engine.pool.refcounts.sum() == 0
+
+
+def test_a_draft_model_verifies_as_rows_with_its_own_kv(tiny_models):
+    """A separate draft model keeps its KV across draft passes and ragged steps: beside
+    plain streams its seeded outputs equal its outputs alone."""
+    target = load(tiny_models.target)
+    spec = {"draft": str(tiny_models.flat_head), "gamma": 3}
+    kw = dict(max_tokens=20, temperature=1.0, ignore_eos=True)
+    cycles = lambda: target.stats()["speculative"]["cycles"]  # noqa: E731
+    alone = [target.generate(PROMPT, seed=seed, speculative=spec, **kw) for seed in range(3)]
+    before = cycles()
+    streams = [target.submit(PROMPT[:3], seed=9, max_tokens=80, ignore_eos=True,
+                             temperature=1.0) for _ in range(2)]
+    beside = [target.submit(PROMPT, seed=seed, speculative=spec, **kw) for seed in range(3)]
+    assert [h.result().token_ids for h in beside] == [r.token_ids for r in alone]
+    assert all(h.result().metrics["accepted_tokens"] > 0 for h in beside)
+    assert all(s.result().finish_reason == "length" for s in streams)
+    assert cycles() == before
+    assert target.engine.pool.refcounts.sum() == 0
+
+
+def test_rows_or_a_cycle_as_measured(tiny_models):
+    """A long-context exact request beside one plain stream verifies in cycles of its own
+    (rows measured slower there: runner.ROWS_UP_TO_CONTEXT), beside three as rows; a
+    short one as rows beside one. The same tokens every way."""
+    from xlr_jax.speculative.runner import ROWS_FROM_STREAMS, ROWS_UP_TO_CONTEXT
+
+    target = load(tiny_models.target, max_context=1024)
+    spec = {"draft": "self:1", "gamma": 3}
+    kw = dict(max_tokens=12, temperature=1.0, ignore_eos=True, seed=4, speculative=spec)
+    cycles = lambda: target.stats()["speculative"]["cycles"]  # noqa: E731
+    for prompt, streams, in_rows in (
+            (PROMPT * 120, 1, False), (PROMPT * 120, ROWS_FROM_STREAMS, True), (PROMPT, 1, True)):
+        assert (len(prompt) > ROWS_UP_TO_CONTEXT) != in_rows or streams > 1
+        alone = target.generate(prompt, **kw)
+        before = cycles()
+        others = [target.submit(PROMPT[:3], seed=i, max_tokens=150, ignore_eos=True,
+                                temperature=1.0) for i in range(streams)]
+        beside = target.submit(prompt, **kw).result()
+        assert all(h.result().finish_reason == "length" for h in others)
+        assert beside.token_ids == alone.token_ids
+        assert (cycles() == before) == in_rows
+    assert target.engine.pool.refcounts.sum() == 0
+
+
 def test_ngram_speculation_compiles_once_per_bucket(model):
     spec = {"draft": "ngram", "gamma": 4}
     model.generate(CODE, max_tokens=16, speculative=spec)

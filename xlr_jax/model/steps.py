@@ -48,11 +48,11 @@ def _all_logits(params: Params, kv: PagedKV, tokens, start, num_new, block_table
     return lm_head(params, hidden), kv
 
 
-@lru_cache(maxsize=4)  # bounded, as speculative.cycle's `_jitted_cycle`
+@lru_cache(maxsize=4)  # bounded, as speculative.cycle's `_jitted`
 def _jitted_all_logits(config: ModelConfig, attn_impl: str, compiler_options: tuple):
     """One jitted `_all_logits` for every model with this config, attention and compile
     options, so a second load in one process does not trace it again (see
-    speculative.cycle's `_jitted_cycle`)."""
+    speculative.cycle's `_jitted`)."""
     return jax.jit(partial(_all_logits, config=config, attn_impl=attn_impl),
                    donate_argnames="kv", compiler_options=dict(compiler_options) or None)
 

@@ -3,7 +3,7 @@
 Host state (page pool, block tables, queues) lives here in plain Python; the
 device sees only the jitted steps of `xlr_jax.model.steps`. One loop (`serve`) runs
 every request: each step carries a token of every running plain request and a
-prefill chunk of the oldest one still prefilling, and n-gram speculating requests
+prefill chunk of the oldest one still prefilling, and exact speculating requests
 verify their drafts as rows of it; between steps, requests join and leave, and
 the other speculating requests run their cycles (`speculative.runner`). Plain
 requests take pages as they grow, and the newest is preempted when the pool
@@ -245,9 +245,10 @@ class _Step:
     tokens: object
     logprobs: tuple  # chosen [rows], top ids and values [rows, k], on the device
     started: float   # when it was dispatched
-    # speculating requests verifying drafts in rows after `rows`: (request, drafts,
-    # first row, its last token's position)
+    # speculating requests verifying drafts in rows after `rows`: (SpecRunner's
+    # Proposal, first row, its last token's position)
     verify: list[tuple] = field(default_factory=list)
+    logits: object = None  # [rows, V] on the device (device drafts are judged on them)
 
     def logprob_rows(self) -> list | None:
         """Each row's (chosen, top ids, top values) on the host, if any row asked."""
@@ -467,7 +468,7 @@ class Engine:
     def _loop(self, waiting: deque, active: list[_Request], poll):
         """Every step carries one token of each running plain request, a chunk of the
         oldest request still prefilling (plain or speculating) and, when it runs, the
-        drafts of n-gram speculating requests as rows; between steps, every other
+        drafts of exact speculating requests as rows; between steps, every other
         speculating request that has its first token runs one cycle (`SpecRunner.run`).
         Requests of every kind join and leave between steps."""
         inflight: _Step | None = None  # dispatched, its tokens not read back yet
@@ -500,8 +501,9 @@ class Engine:
             plain = [r for r in running if r.decoding and r.spec is None]
             speculating = [r for r in running if r.decoding and r.spec is not None]
             chunk = next((r for r in running if not r.decoding), None)
-            if plain or chunk:  # n-gram requests verify as rows of this step
-                rows = [r for r in speculating if self._spec_runner.verifies_in_rows(r)]
+            if plain or chunk:  # exact speculation verifies as rows of this step
+                rows = [r for r in speculating if self._spec_runner.verifies_in_rows(
+                    r, len(plain), chunk is not None)]
                 speculating = [r for r in speculating if r not in rows]
                 room = self.buckets.batch[-1] - len(plain) - len(rows)
                 inflight = self.dispatch(plain, chunk,
@@ -761,12 +763,12 @@ class Engine:
         `chunk`'s prompt; returns it with its device tokens unread.
 
         `feed` is the previous step's device tokens (same decode rows, no chunk) or None
-        to feed each request's last accepted token from the host. `verify`: (request,
-        drafts) of speculating requests, each fed its last token and its drafts as rows
-        at consecutive positions (a row sees the KV the rows before it write), each row
-        drawing the token plain decoding would draw there (see SpecRunner.verified).
+        to feed each request's last accepted token from the host. `verify`: proposals
+        of speculating requests (SpecRunner.proposals), each fed its last token and its
+        drafts as rows at consecutive positions (a row sees the KV the rows before it
+        write); SpecRunner.take_verified decides from the rows' draws or logits.
         """
-        rows = len(decoding) + sum(1 + len(drafts) for _, drafts in verify)
+        rows = len(decoding) + sum(1 + len(p.drafts) for p in verify)
         part = []
         if chunk is not None:
             room = min(self.buckets.chunk[-1], self.max_step_tokens - rows)
@@ -782,10 +784,10 @@ class Engine:
                          r.seq.length + 1 - len(r.prompt_ids))
             r.seq.length += 1
         verifying = []
-        for r, drafts in verify:  # pages for every position (SpecRunner.verified trims)
-            start = r.seq.length
+        for p in verify:  # pages for every position (SpecRunner.take_verified trims)
+            r, drafts, start = p.request, p.drafts, p.request.seq.length
             self.apply_copies(r.seq.reserve(start + len(drafts) + 1))
-            verifying.append((r, drafts, build.decoded, start))
+            verifying.append((p, build.decoded, start))
             for i, token in enumerate([r.generated[-1], *drafts]):
                 build.decode(token, start + i, r.seq.block_table(width), r.params,
                              start + i + 1 - len(r.prompt_ids))
@@ -797,9 +799,10 @@ class Engine:
                 build.bias(build.batch.decode_rows, chunk.step_bias)
             chunk.seq.length += len(part)
         started = time.perf_counter()
-        tokens, _, logprobs, self.kv = self.steps.step(self.params, self.kv, build.build(feed))
+        tokens, logits, logprobs, self.kv = self.steps.step(self.params, self.kv,
+                                                            build.build(feed))
         return _Step(decoding, chunk, build.batch.decode_rows, tokens, logprobs, started,
-                     verifying)
+                     verifying, logits)
 
     def _accept(self, step: "_Step") -> tuple[list[_Request], list[str]]:
         """Read a step's tokens back and accept them: a token for each decode row that
@@ -818,11 +821,11 @@ class Engine:
             if r.finish_reason is None:
                 reqs.append(r)
                 pieces.append(r.accept(int(sampled[j]), now, lp))
-        for r, drafts, row, position in step.verify:
-            if r.finish_reason is None:
-                reqs.append(r)
-                pieces.append(self._spec_runner.verified(
-                    r, drafts, sampled[row:row + len(drafts) + 1], position, now))
+        if step.verify:
+            verified, texts = self._spec_runner.take_verified(step.verify, sampled,
+                                                              step.logits, now)
+            reqs += verified
+            pieces += texts
         r = step.chunk
         # a resumed request (preempted) knows its next token already
         if (r is not None and r.finish_reason is None and not r.generated

@@ -7,7 +7,10 @@ acceptance (`acceptance.accept_block`; for host proposals `accept_by_matching`, 
 emits what plain sampling would) or, for SMC, a bonus token from the
 target beside each draft token's log p and log q (the host adds the weights of
 the tokens a particle keeps: `smc.block_increment`). The host then trims each
-row's block table and length to what was kept; nothing is copied.
+row's block table and length to what was kept; nothing is copied. An exact
+request beside other streams runs the cycle's two halves around their ragged
+step instead: `propose` (the device draft), then `judge` (its acceptance on the
+step's logits, with the cycle's keys), so its rows share the step's target pass.
 
 Drafts share one interface, `Draft.kind`:
 - "tokens": proposals made on the host (n-gram prompt lookup), q a point mass;
@@ -22,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from functools import lru_cache, partial
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -223,6 +227,51 @@ def _run_draft(dparams, dkv, last, positions, num_draft, block_tables, sampling,
     return tokens.T, jnp.swapaxes(q, 0, 1), dkv
 
 
+def _propose(params: Params, kv, draft_params, draft_kv, last, positions, num_draft,
+             block_tables, sampling: SamplingBatch, salt, *, config: ModelConfig,
+             draft_config: ModelConfig | None, attn_impl: str, gamma: int, draft_kind: str,
+             draft_layers: int, sampler: str):
+    """A device draft's proposals from each row's `last` token (at `positions`, not yet in
+    the KV): tokens [B, gamma] drawn from the draft's q, q itself [B, gamma, V], and
+    the KV the draft wrote (a self draft the target's first layers, a model its own)."""
+    k_draft, _ = _row_keys(sampling, salt)
+    run = partial(_run_draft, last=last, positions=positions, num_draft=num_draft,
+                  block_tables=block_tables, sampling=sampling, keys=k_draft,
+                  attn_impl=attn_impl, sampler=sampler)
+    if draft_kind == "self":
+        layer_params = params.replace(layers=params.layers[:draft_layers])
+        drafts, q, kv = run(layer_params, kv, dconfig=config, steps=gamma)
+        return drafts, q, kv, draft_kv
+    # one extra step writes the last proposal's KV for the next cycle
+    drafts, q, draft_kv = run(draft_params, draft_kv, dconfig=draft_config, steps=gamma + 1)
+    return drafts[:, :gamma], q[:, :gamma], kv, draft_kv
+
+
+def _target_probs(logits, sampling: SamplingBatch, sampler: str, gamma: int):
+    """p [B, gamma + 1, V] from the target's logits [B * (gamma + 1), V] at each row's
+    last token and its drafts (each row's sampling repeated over its positions)."""
+    per_position = jax.tree.map(lambda a: jnp.repeat(a, gamma + 1), sampling)
+    return _probs(logits, per_position, sampler).reshape(-1, gamma + 1, logits.shape[-1])
+
+
+def _accept_exact(k_accept, drafts, q, p, num_draft):
+    """`accept_block` row by row, each row with its own key: (accepted [B], next [B])."""
+    accepted, nxt = jax.vmap(lambda k, d, qq, pp, n: accept_block(
+        k, d[None], qq[None], pp[None], n[None]))(k_accept, drafts, q, p, num_draft)
+    return accepted[:, 0], nxt[:, 0]
+
+
+def _judge_rows(logits, index, drafts, q, num_draft, sampling: SamplingBatch, salt, *,
+                sampler: str):
+    """Exact acceptance of device proposals that a ragged step scored as rows: `index`
+    [B, gamma + 1] picks each row's last token and drafts out of the step's logits.
+    Draws what `_cycle` draws for the same proposals (the same keys): (accepted, next)."""
+    gamma = drafts.shape[1]
+    p = _target_probs(logits[index.reshape(-1)], sampling, sampler, gamma)
+    _, k_accept = _row_keys(sampling, salt)
+    return _accept_exact(k_accept, drafts, q, p, num_draft)
+
+
 def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed, num_draft,
            block_tables, sampling: SamplingBatch, salt, *, config: ModelConfig,
            draft_config: ModelConfig | None, attn_impl: str, gamma: int, draft_kind: str,
@@ -241,80 +290,102 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
     drafts a particle keeps before it stops.
     """
     batch = last.shape[0]
-    k_draft, k_accept = _row_keys(sampling, salt)
-    vocab = config.vocab_size
+    _, k_accept = _row_keys(sampling, salt)
     if draft_kind == "tokens":
         drafts = proposed
     else:
-        run = partial(_run_draft, last=last, positions=positions, num_draft=num_draft,
-                      block_tables=block_tables, sampling=sampling, keys=k_draft,
-                      attn_impl=attn_impl, sampler=sampler)
-        if draft_kind == "self":
-            layer_params = params.replace(layers=params.layers[:draft_layers])
-            drafts, q, kv = run(layer_params, kv, dconfig=config, steps=gamma)
-        else:  # one extra step writes the last proposal's KV for the next cycle
-            drafts, q, draft_kv = run(draft_params, draft_kv, dconfig=draft_config,
-                                      steps=gamma + 1)
-            drafts, q = drafts[:, :gamma], q[:, :gamma]
+        drafts, q, kv, draft_kv = _propose(
+            params, kv, draft_params, draft_kv, last, positions, num_draft, block_tables,
+            sampling, salt, config=config, draft_config=draft_config, attn_impl=attn_impl,
+            gamma=gamma, draft_kind=draft_kind, draft_layers=draft_layers, sampler=sampler)
     offs = jnp.arange(gamma + 1, dtype=jnp.int32)
     tokens = jnp.concatenate([last[:, None], drafts], axis=1)
     hidden, kv = forward(params, kv, tokens, positions[:, None] + offs,
                          offs <= num_draft[:, None], block_tables, config=config,
                          attn_impl=attn_impl)
-    logits = lm_head(params, hidden).reshape(batch * (gamma + 1), vocab)
-    per_position = jax.tree.map(lambda a: jnp.repeat(a, gamma + 1), sampling)
+    logits = lm_head(params, hidden).reshape(batch * (gamma + 1), config.vocab_size)
     if draft_kind == "tokens":  # a point mass (exact only): plain sampling's draws decide
+        per_position = jax.tree.map(lambda a: jnp.repeat(a, gamma + 1), sampling)
         steps = (sampling.step[:, None] + offs).reshape(-1)
         drawn = sample_rows(logits, per_position.replace(step=steps))
         accepted, nxt = accept_by_matching(drawn.reshape(batch, gamma + 1), drafts, num_draft)
         unweighed = jnp.zeros(drafts.shape, jnp.float32)  # no q to weigh or compare with
         return accepted, nxt, drafts, unweighed, unweighed, unweighed, kv, draft_kv
-    p = _probs(logits, per_position, sampler).reshape(batch, gamma + 1, vocab)
+    p = _target_probs(logits, sampling, sampler, gamma)
     pick = lambda probs: jnp.take_along_axis(probs, drafts[..., None], -1)[..., 0]  # noqa: E731
     log_p = jnp.log(jnp.maximum(pick(p[:, :gamma]), 1e-30))
     log_q = jnp.log(jnp.maximum(pick(q), 1e-30))
     agreement = jnp.sum(jnp.minimum(p[:, :gamma], q), axis=-1)
     if method == "exact":
-        accepted, nxt = jax.vmap(lambda k, d, qq, pp, n: accept_block(
-            k, d[None], qq[None], pp[None], n[None]))(k_accept, drafts, q, p, num_draft)
-        accepted, nxt = accepted[:, 0], nxt[:, 0]
+        accepted, nxt = _accept_exact(k_accept, drafts, q, p, num_draft)
     else:
         accepted = num_draft
         nxt = _draw(k_accept, jnp.take_along_axis(p, num_draft[:, None, None], 1)[:, 0])
     return accepted, nxt, drafts, log_p, log_q, agreement, kv, draft_kv
 
 
+class _Programs(NamedTuple):
+    cycle: Callable
+    propose: Callable
+    judge: Callable
+
+
 @lru_cache(maxsize=4)  # bounded: each keeps its executables (and their memory maps)
-def _jitted_cycle(config: ModelConfig, attn_impl: str, compiler_options: tuple):
-    """The jitted cycle of every model with this config, attention and compile options:
-    a second load in one process (a test's, a draft's) runs what the first compiled,
-    without tracing it again."""
-    return jax.jit(partial(_cycle, config=config, attn_impl=attn_impl),
-                   donate_argnames=("kv", "draft_kv"),
-                   static_argnames=("draft_config", "gamma", "draft_kind", "draft_layers",
-                                    "method", "sampler"),
-                   compiler_options=dict(compiler_options) or None)
+def _jitted(config: ModelConfig, attn_impl: str, compiler_options: tuple) -> _Programs:
+    """The jitted cycle, proposal and judgement of every model with this config, attention
+    and compile options: a second load in one process (a test's, a draft's) runs what
+    the first compiled, without tracing it again."""
+    draft_args = ("draft_config", "gamma", "draft_kind", "draft_layers", "sampler")
+    jit = partial(jax.jit, compiler_options=dict(compiler_options) or None)
+    return _Programs(
+        cycle=jit(partial(_cycle, config=config, attn_impl=attn_impl),
+                  donate_argnames=("kv", "draft_kv"), static_argnames=(*draft_args, "method")),
+        propose=jit(partial(_propose, config=config, attn_impl=attn_impl),
+                    donate_argnames=("kv", "draft_kv"), static_argnames=draft_args),
+        judge=jit(_judge_rows, static_argnames="sampler"))
+
+
+def _draft_args(draft: Draft) -> dict:
+    model = draft if isinstance(draft, ModelDraft) else None
+    return dict(draft_config=model.config if model else None, draft_kind=draft.kind,
+                draft_layers=draft.layers if isinstance(draft, LayerDraft) else 0)
 
 
 class SpecSteps:
-    """The jitted cycle of a target model, compiled per (rows, table width, gamma,
-    draft, method, sampling flags); the target's and the draft's KV are donated."""
+    """The jitted speculative programs of a target model, compiled per (rows, table
+    width, gamma, draft, method, sampling flags); the target's and the draft's KV are
+    donated. `cycle` proposes and verifies in one program; `propose` and `judge` are
+    its two halves around a ragged step that scores the proposals as rows."""
 
     def __init__(self, config: ModelConfig, attn_impl: str = "auto",
                  compiler_options: dict | None = None):
-        self._cycle = _jitted_cycle(config, attn_impl,
-                                    tuple(sorted((compiler_options or {}).items())))
+        self._programs = _jitted(config, attn_impl,
+                                 tuple(sorted((compiler_options or {}).items())))
 
     def cycle(self, params, kv, draft: Draft, draft_kv, last, positions, proposed, num_draft,
               block_tables, sampling, salt, *, gamma: int, method: str, sampler: str):
-        model = draft if isinstance(draft, ModelDraft) else None
-        return self._cycle(params, kv, model.params if model else None, draft_kv, last,
-                           positions, proposed, num_draft, block_tables, sampling, salt,
-                           draft_config=model.config if model else None, gamma=gamma,
-                           draft_kind=draft.kind,
-                           draft_layers=draft.layers if isinstance(draft, LayerDraft) else 0,
-                           method=method, sampler=sampler)
+        return self._programs.cycle(
+            params, kv, _draft_params(draft), draft_kv, last, positions, proposed, num_draft,
+            block_tables, sampling, salt, gamma=gamma, method=method, sampler=sampler,
+            **_draft_args(draft))
+
+    def propose(self, params, kv, draft: Draft, draft_kv, last, positions, num_draft,
+                block_tables, sampling, salt, *, gamma: int, sampler: str):
+        """A device draft's proposals: (drafts [B, gamma], q, kv, draft_kv)."""
+        return self._programs.propose(
+            params, kv, _draft_params(draft), draft_kv, last, positions, num_draft,
+            block_tables, sampling, salt, gamma=gamma, sampler=sampler, **_draft_args(draft))
+
+    def judge(self, logits, index, drafts, q, num_draft, sampling, salt, *, sampler: str):
+        """Exact acceptance of `propose`'s drafts scored in a ragged step's `logits`
+        (rows `index` [B, gamma + 1]): (accepted [B], next token [B])."""
+        return self._programs.judge(logits, index, drafts, q, num_draft, sampling, salt,
+                                    sampler=sampler)
 
     def compilations(self) -> int:
-        """Cycles compiled for every model sharing this jitted cycle (see `_jitted_cycle`)."""
-        return self._cycle._cache_size()
+        """Cycles compiled for every model sharing this jitted cycle (see `_jitted`)."""
+        return self._programs.cycle._cache_size()
+
+
+def _draft_params(draft: Draft):
+    return draft.params if isinstance(draft, ModelDraft) else None

@@ -2,12 +2,13 @@
 
 Speculating requests live in the engine's one loop beside plain ones (see
 `Engine.serve`): they prefill in its ragged steps and sample their first token
-there. Exact requests with host proposals (n-gram) verify as rows of the ragged
-step whenever it runs for other requests (`proposals`, `verified`): one target pass
-for all. Otherwise, between plain steps, `SpecRunner.run` gives each request one cycle.
-(Alone, an n-gram request's own cycle is faster than rows of the ragged step: a
-cycle scores its gamma + 1 positions as one sequence, while decode rows each walk
-their pages; measured 56 against 70 ms at 300 tokens, gamma 4.)
+there. Exact requests verify as rows of the ragged step when it runs for other
+requests and rows measured faster than a cycle of their own (`verifies_in_rows`,
+`proposals`, `take_verified`): one target pass for all. Host proposals (n-gram) are
+made before the step; a device draft (self:K, a draft model) proposes in a pass of
+its own (`SpecSteps.propose`), and its drafts are judged on the step's logits with
+the keys its own cycle would use (`SpecSteps.judge`). Otherwise, between plain
+steps, `SpecRunner.run` gives each request one cycle.
 Exact-speculation requests with the same configuration are the rows of one batched
 cycle; so are the particles of SMC requests with the same configuration (`SmcRun`, one
 population per request), as many populations as the largest batch holds. The
@@ -31,7 +32,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +48,12 @@ from xlr_jax.speculative.smc import (block_increment, draw_keys, ess, log_mean_w
                                      resample, split)
 
 SMC_PROBATION = 4      # exact cycles that measure the draft's agreement before SMC starts
+# Where rows of the ragged step beat a cycle of its own (experiments/verify_rows.py, gamma 4,
+# one loop iteration): from 3 plain streams on, at 300 tokens from 1 (n-gram 0.61-0.82 of
+# the cycle's time, self:20 0.79-0.98); at 1,000 tokens with 1 stream the cycle wins
+# (rows 1.05x, self:20 1.31x): each decode row walks the context's pages on its own.
+ROWS_FROM_STREAMS = 3
+ROWS_UP_TO_CONTEXT = 512
 
 
 def start_metrics(spec: SpecConfig) -> dict:
@@ -187,34 +196,106 @@ class SpecRunner:
     # ------------------------------------------------------------ rows of the ragged step
 
     @staticmethod
-    def verifies_in_rows(r) -> bool:
-        """Whether a request can verify its drafts as rows of the engine's ragged step:
-        exact speculation with host proposals, where the plain sampler's draws decide
-        (`acceptance.accept_by_matching`), so no cycle of its own is needed."""
-        return r.spec.method == "exact" and r.draft.kind == "tokens"
+    def verifies_in_rows(r, plain_rows: int, chunk: bool) -> bool:
+        """Whether a request verifies its drafts as rows of a ragged step that runs
+        `plain_rows` decode rows and maybe a prefill `chunk` (whose step pads its rows
+        to the largest bucket anyway): exact speculation (SMC particles keep their
+        cycles), where rows measured faster than its own cycle (see ROWS_FROM_STREAMS).
+        Host proposals are decided by the plain sampler's draws
+        (`acceptance.accept_by_matching`); a device draft's by `SpecSteps.judge` on the
+        step's logits, as its own cycle would: either way, the same tokens."""
+        return r.spec.method == "exact" and (
+            chunk or plain_rows >= ROWS_FROM_STREAMS or r.seq.length <= ROWS_UP_TO_CONTEXT)
 
-    def proposals(self, reqs, room: int) -> list[tuple]:
-        """(request, drafts) for each of `reqs` (see `verifies_in_rows`): what its draft
-        proposes within its budget and the `room` rows left in the step, shared in order
-        (fewer drafts change how fast, never what, a request generates)."""
-        out = []
+    def proposals(self, reqs, room: int) -> list["Proposal"]:
+        """A Proposal for each of `reqs` (see `verifies_in_rows`): its drafts within its
+        budget and the `room` rows left in the step, shared in order (fewer drafts
+        change how fast, never what, a request generates). Device drafts propose in one
+        pass per (configuration, draft), which reserves the pages their rows write."""
+        out, device = [], {}
         for r, budget in zip(reqs, self.budgets(reqs)):
-            budget = min(budget, room)
-            drafts = r.draft.propose(r.prompt_ids + r.generated, budget) if budget > 0 else []
-            room -= len(drafts)
-            out.append((r, drafts))
+            budget = max(0, min(budget, room))
+            if r.draft.kind == "tokens":
+                drafts = r.draft.propose(r.prompt_ids + r.generated, budget) if budget else []
+                out.append(Proposal(r, drafts))
+                room -= len(drafts)
+            else:
+                out.append(Proposal(r, [], budget=budget))
+                device.setdefault((r.spec, r.draft), []).append(out[-1])
+                room -= budget
+        for group in device.values():
+            self._propose(group)
         return out
 
-    def verified(self, r, drafts: list[int], drawn, position: int, now: float) -> str:
-        """Take what a ragged step drew for a request's rows (its last token at
-        `position`, then its `drafts`): each draw while the one before it matched its
-        draft. Gives back the rejected positions' pages; returns the visible text."""
-        (accepted,), (nxt,) = accept_by_matching(
-            np.asarray(drawn)[None], np.asarray(drafts, np.int32)[None], np.array([len(drafts)]),
-            xp=np)
+    def _propose(self, group: list["Proposal"]) -> None:
+        """Run the device draft of `group` (one configuration) and fill in its drafts."""
+        e, rows = self.engine, [prop.request for prop in group]
+        draft = rows[0].draft
+        for r in rows:
+            self._draft_prefill(r)
+        budgets = [prop.budget for prop in group]
+        self.reserve(rows, budgets)
+        n = pick_bucket(len(rows), e.buckets.batch)
+        last, positions, num_draft = (np.zeros(n, np.int32) for _ in range(3))
+        for j, r in enumerate(rows):
+            last[j], positions[j], num_draft[j] = r.generated[-1], r.seq.length, budgets[j]
+        sampling, sampler = e.sampling(rows, n, [len(r.generated) for r in rows])
+        salt = np.zeros(n, np.int32)  # as in an exact cycle: the same keys
+        name = draft.name if isinstance(draft, ModelDraft) else None
+        drafts, q, e.kv, draft_kv = e.spec_steps.propose(
+            e.params, e.kv, draft, e.draft_kvs.get(name), last, positions, num_draft,
+            e.block_tables(rows, n), sampling, salt, gamma=rows[0].spec.gamma, sampler=sampler)
+        if name:
+            e.draft_kvs[name] = draft_kv
+        judged = _Judged(drafts, q, num_draft, sampling, salt, sampler)
+        host = np.asarray(drafts)
+        for j, prop in enumerate(group):
+            prop.drafts = [int(t) for t in host[j, :budgets[j]]]
+            prop.judged, prop.slot = judged, j
+
+    def take_verified(self, verify: list[tuple], drawn, logits, now: float):
+        """Take what a ragged step gave each verifying request, from its rows (its last
+        token at `position` in row `row`, then its drafts): (requests still running,
+        the text each made visible). Gives back the rejected positions' pages."""
+        decisions = {}  # id(_Judged) -> (accepted, next) on the host
+        for prop, row, _ in verify:
+            if prop.judged is not None and id(prop.judged) not in decisions:
+                decisions[id(prop.judged)] = self._judge(prop.judged, verify, logits)
+        reqs, pieces = [], []
+        for prop, row, position in verify:
+            r = prop.request
+            if r.finish_reason is not None:
+                continue
+            if prop.judged is None:
+                (accepted,), (nxt,) = accept_by_matching(
+                    np.asarray(drawn[row:row + len(prop.drafts) + 1])[None],
+                    np.asarray(prop.drafts, np.int32)[None], np.array([len(prop.drafts)]),
+                    xp=np)
+            else:
+                accepted, nxt = (x[prop.slot] for x in decisions[id(prop.judged)])
+            reqs.append(r)
+            pieces.append(self._keep(r, prop.drafts, int(accepted), int(nxt), position, now))
+        return reqs, pieces
+
+    def _judge(self, judged: "_Judged", verify: list[tuple], logits):
+        """Exact acceptance of one device proposal's rows in the step's `logits`."""
+        gamma = judged.drafts.shape[1]
+        index = np.zeros((judged.num_draft.shape[0], gamma + 1), np.int32)
+        for prop, row, _ in verify:
+            if prop.judged is judged:  # positions past a row's drafts repeat its last
+                index[prop.slot] = row + np.minimum(np.arange(gamma + 1), len(prop.drafts))
+        accepted, nxt = self.engine.spec_steps.judge(
+            logits, index, judged.drafts, judged.q, judged.num_draft, judged.sampling,
+            judged.salt, sampler=judged.sampler)
+        return np.asarray(accepted), np.asarray(nxt)
+
+    def _keep(self, r, drafts: list[int], accepted: int, nxt: int, position: int,
+              now: float) -> str:
+        """Keep a request's first `accepted` drafts and `nxt` after them; trim the pages
+        of the rest; returns the visible text."""
         r.seq.trim(position + accepted + 1)
-        self._count(r, len(drafts), int(accepted))
-        piece, _ = _take(r, [*drafts[:accepted], int(nxt)], now)
+        self._count(r, len(drafts), accepted)
+        piece, _ = _take(r, [*drafts[:accepted], nxt], now)
         if r.finish_reason is not None:
             _summarize(r)
         return piece
@@ -361,6 +442,28 @@ class SmcRun:
         _summarize(chosen)
         req.finish_reason = chosen.finish_reason
         yield from engine.finished([chosen], [chosen.pending])
+
+
+@dataclass
+class _Judged:
+    """A device draft's proposals on the device, kept for `SpecSteps.judge`."""
+    drafts: object      # [B, gamma]
+    q: object           # [B, gamma, V]
+    num_draft: np.ndarray
+    sampling: object
+    salt: np.ndarray
+    sampler: str
+
+
+@dataclass
+class Proposal:
+    """A speculating request's drafts to verify as rows of a ragged step; a device
+    draft's are judged together (`judged`, this request's row `slot` in it)."""
+    request: Any
+    drafts: list[int]
+    budget: int = 0
+    judged: _Judged | None = None
+    slot: int = 0
 
 
 def _batches(items: list, key, size, cap: int):
