@@ -1,6 +1,5 @@
 """Shared fixtures: the embedded model (ours and the transformers reference), loaded once."""
 import os
-from pathlib import Path
 
 import pytest
 
@@ -42,8 +41,9 @@ def release_compiled_programs():
 def release_compiled_programs_when_many():
     """Within a module too, once the process holds MAPS_TO_FREE_AT memory maps."""
     yield
-    maps = Path("/proc/self/maps")
-    if maps.exists() and len(maps.read_bytes().splitlines()) > MAPS_TO_FREE_AT:
+    from xlr_jax.model.executables import memory_maps
+
+    if (maps := memory_maps()) is not None and maps[0] > MAPS_TO_FREE_AT:
         _free_compiled_programs()
 
 

@@ -210,17 +210,18 @@ def test_damaged_compiled_step_is_compiled_again(tiny, tmp_path, caplog):
 def _memory_maps_left(left: int):
     """Map anonymous pages (alternately read-only and writable, so the kernel cannot
     merge neighbours) until `left` maps remain under vm.max_map_count; unmap on exit."""
-    limit_file = Path("/proc/sys/vm/max_map_count")
-    if not limit_file.exists():
+    from xlr_jax.model.executables import memory_maps
+
+    if memory_maps() is None:
         pytest.skip("no vm.max_map_count on this system")
-    limit = int(limit_file.read_text())
     regions = []
     try:
-        while (missing := limit - left - len(Path("/proc/self/maps").read_bytes()
-                                                 .splitlines())) > 0:
+        used, limit = memory_maps()
+        while (missing := limit - left - used) > 0:
             for i in range(missing):
                 prot = mmap.PROT_READ | (mmap.PROT_WRITE if i % 2 else 0)
                 regions.append(mmap.mmap(-1, mmap.PAGESIZE, prot=prot))
+            used, _ = memory_maps()
         yield
     finally:
         for region in regions:

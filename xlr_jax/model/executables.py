@@ -84,18 +84,24 @@ def fingerprint(options, *example_args) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's limit vm.max_map_count), or None
+    where there is no such limit to watch (not Linux)."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+        return len(Path("/proc/self/maps").read_bytes().splitlines()), limit
+    except (OSError, ValueError):
+        return None
+
+
 def ensure_map_headroom(need: int = MAP_HEADROOM) -> None:
     """Raise MemoryMapLimitError if loading one more executable could pass the kernel's
     limit on a process's memory maps (vm.max_map_count): there XLA:CPU's loader fails
     to map its code ("LLVM compilation error: Cannot allocate memory", jaxlib 0.10.2)
     and the process segfaults. Every live executable holds its maps until it is freed."""
-    try:
-        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
-        with open("/proc/self/maps", "rb") as maps:
-            used = sum(1 for _ in maps)
-    except (OSError, ValueError):  # not Linux: no such limit to watch
-        return
-    if used + need > limit:
+    maps = memory_maps()
+    if maps is not None and maps[0] + need > maps[1]:
+        used, limit = maps
         raise MemoryMapLimitError(
             f"this process holds {used:,} memory maps of the {limit:,} the kernel allows "
             f"(vm.max_map_count), and a compiled step needs up to {need:,} more: free "

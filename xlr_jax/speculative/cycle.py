@@ -247,11 +247,16 @@ def _propose(params: Params, kv, draft_params, draft_kv, last, positions, num_dr
     return drafts[:, :gamma], q[:, :gamma], kv, draft_kv
 
 
+def _per_position(sampling: SamplingBatch, gamma: int) -> SamplingBatch:
+    """Each row's sampling repeated over its last token and gamma drafts."""
+    return jax.tree.map(lambda a: jnp.repeat(a, gamma + 1), sampling)
+
+
 def _target_probs(logits, sampling: SamplingBatch, sampler: str, gamma: int):
     """p [B, gamma + 1, V] from the target's logits [B * (gamma + 1), V] at each row's
-    last token and its drafts (each row's sampling repeated over its positions)."""
-    per_position = jax.tree.map(lambda a: jnp.repeat(a, gamma + 1), sampling)
-    return _probs(logits, per_position, sampler).reshape(-1, gamma + 1, logits.shape[-1])
+    last token and its drafts."""
+    return _probs(logits, _per_position(sampling, gamma), sampler).reshape(
+        -1, gamma + 1, logits.shape[-1])
 
 
 def _accept_exact(k_accept, drafts, q, p, num_draft):
@@ -305,9 +310,8 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
                          attn_impl=attn_impl)
     logits = lm_head(params, hidden).reshape(batch * (gamma + 1), config.vocab_size)
     if draft_kind == "tokens":  # a point mass (exact only): plain sampling's draws decide
-        per_position = jax.tree.map(lambda a: jnp.repeat(a, gamma + 1), sampling)
         steps = (sampling.step[:, None] + offs).reshape(-1)
-        drawn = sample_rows(logits, per_position.replace(step=steps))
+        drawn = sample_rows(logits, _per_position(sampling, gamma).replace(step=steps))
         accepted, nxt = accept_by_matching(drawn.reshape(batch, gamma + 1), drafts, num_draft)
         unweighed = jnp.zeros(drafts.shape, jnp.float32)  # no q to weigh or compare with
         return accepted, nxt, drafts, unweighed, unweighed, unweighed, kv, draft_kv
@@ -345,10 +349,12 @@ def _jitted(config: ModelConfig, attn_impl: str, compiler_options: tuple) -> _Pr
         judge=jit(_judge_rows, static_argnames="sampler"))
 
 
-def _draft_args(draft: Draft) -> dict:
+def _draft_inputs(draft: Draft) -> tuple:
+    """A draft's params (a draft model's, or None) and the static arguments naming it."""
     model = draft if isinstance(draft, ModelDraft) else None
-    return dict(draft_config=model.config if model else None, draft_kind=draft.kind,
-                draft_layers=draft.layers if isinstance(draft, LayerDraft) else 0)
+    return model.params if model else None, dict(
+        draft_config=model.config if model else None, draft_kind=draft.kind,
+        draft_layers=draft.layers if isinstance(draft, LayerDraft) else 0)
 
 
 class SpecSteps:
@@ -364,17 +370,18 @@ class SpecSteps:
 
     def cycle(self, params, kv, draft: Draft, draft_kv, last, positions, proposed, num_draft,
               block_tables, sampling, salt, *, gamma: int, method: str, sampler: str):
+        draft_params, static = _draft_inputs(draft)
         return self._programs.cycle(
-            params, kv, _draft_params(draft), draft_kv, last, positions, proposed, num_draft,
-            block_tables, sampling, salt, gamma=gamma, method=method, sampler=sampler,
-            **_draft_args(draft))
+            params, kv, draft_params, draft_kv, last, positions, proposed, num_draft,
+            block_tables, sampling, salt, gamma=gamma, method=method, sampler=sampler, **static)
 
     def propose(self, params, kv, draft: Draft, draft_kv, last, positions, num_draft,
                 block_tables, sampling, salt, *, gamma: int, sampler: str):
         """A device draft's proposals: (drafts [B, gamma], q, kv, draft_kv)."""
+        draft_params, static = _draft_inputs(draft)
         return self._programs.propose(
-            params, kv, _draft_params(draft), draft_kv, last, positions, num_draft,
-            block_tables, sampling, salt, gamma=gamma, sampler=sampler, **_draft_args(draft))
+            params, kv, draft_params, draft_kv, last, positions, num_draft, block_tables,
+            sampling, salt, gamma=gamma, sampler=sampler, **static)
 
     def judge(self, logits, index, drafts, q, num_draft, sampling, salt, *, sampler: str):
         """Exact acceptance of `propose`'s drafts scored in a ragged step's `logits`
@@ -385,7 +392,3 @@ class SpecSteps:
     def compilations(self) -> int:
         """Cycles compiled for every model sharing this jitted cycle (see `_jitted`)."""
         return self._programs.cycle._cache_size()
-
-
-def _draft_params(draft: Draft):
-    return draft.params if isinstance(draft, ModelDraft) else None

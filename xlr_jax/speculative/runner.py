@@ -34,7 +34,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -134,25 +134,15 @@ class SpecRunner:
         # host proposals vary in number: verify only as many positions as the longest needs
         gamma = (pick_bucket(max(*budgets, 1), powers_of_two_upto(spec.gamma)) if guesses
                  else spec.gamma)
-        self.reserve(rows, budgets)
-        n = pick_bucket(len(rows), e.buckets.batch)
-        last = np.zeros(n, np.int32)
-        positions = np.zeros(n, np.int32)
-        proposed = np.zeros((n, gamma), np.int32)
-        num_draft = np.zeros(n, np.int32)
-        salt = np.zeros(n, np.int32)
-        for j, r in enumerate(rows):
-            if guesses:
-                proposed[j, :budgets[j]] = guesses[j]
-            num_draft[j] = budgets[j]
-            positions[j], last[j] = r.seq.length, r.generated[-1]
-            salt[j] = salts[j] if salts else 0
-        sampling, sampler = e.sampling(rows, n, [len(r.generated) for r in rows])
+        x = self._inputs(rows, budgets, salts)
+        proposed = np.zeros((len(x.last), gamma), np.int32)
+        for j, guess in enumerate(guesses or []):
+            proposed[j, :budgets[j]] = guess
         name = draft.name if isinstance(draft, ModelDraft) else None
         accepted, nxt, drafts, log_p, log_q, agreement, e.kv, draft_kv = e.spec_steps.cycle(
-            e.params, e.kv, draft, e.draft_kvs.get(name), last, positions, proposed,
-            num_draft, e.block_tables(rows, n), sampling, salt, gamma=gamma, method=method,
-            sampler=sampler)
+            e.params, e.kv, draft, e.draft_kvs.get(name), x.last, x.positions, proposed,
+            x.num_draft, x.block_tables, x.sampling, x.salt, gamma=gamma, method=method,
+            sampler=x.sampler)
         e.count_cycle()
         if name:
             e.draft_kvs[name] = draft_kv
@@ -160,12 +150,26 @@ class SpecRunner:
         kept = []
         for j, r in enumerate(rows):
             a = int(accepted[j])
-            r.seq.trim(int(positions[j]) + a + 1)  # `last` and the accepted drafts stay
-            self._count(r, int(num_draft[j]), a)
+            r.seq.trim(int(x.positions[j]) + a + 1)  # `last` and the accepted drafts stay
+            self._count(r, budgets[j], a)
             kept.append([*map(int, drafts[j, :a]), int(nxt[j])])
         rows_n = len(rows)
-        return _Cycle(kept, num_draft[:rows_n], np.asarray(log_p)[:rows_n],
+        return _Cycle(kept, x.num_draft[:rows_n], np.asarray(log_p)[:rows_n],
                       np.asarray(log_q)[:rows_n], np.asarray(agreement)[:rows_n])
+
+    def _inputs(self, rows, budgets: list[int], salts=None) -> "_Inputs":
+        """Reserve pages for every position `rows` may write (their last tokens and
+        `budgets` drafts); their device inputs, padded to a batch bucket."""
+        e = self.engine
+        self.reserve(rows, budgets)
+        n = pick_bucket(len(rows), e.buckets.batch)
+        last, positions, num_draft, salt = (np.zeros(n, np.int32) for _ in range(4))
+        for j, r in enumerate(rows):
+            last[j], positions[j], num_draft[j] = r.generated[-1], r.seq.length, budgets[j]
+            salt[j] = salts[j] if salts else 0
+        sampling, sampler = e.sampling(rows, n, [len(r.generated) for r in rows])
+        return _Inputs(last, positions, num_draft, salt, sampling, sampler,
+                       e.block_tables(rows, n))
 
     @staticmethod
     def budgets(rows) -> list[int]:
@@ -233,34 +237,26 @@ class SpecRunner:
         draft = rows[0].draft
         for r in rows:
             self._draft_prefill(r)
-        budgets = [prop.budget for prop in group]
-        self.reserve(rows, budgets)
-        n = pick_bucket(len(rows), e.buckets.batch)
-        last, positions, num_draft = (np.zeros(n, np.int32) for _ in range(3))
-        for j, r in enumerate(rows):
-            last[j], positions[j], num_draft[j] = r.generated[-1], r.seq.length, budgets[j]
-        sampling, sampler = e.sampling(rows, n, [len(r.generated) for r in rows])
-        salt = np.zeros(n, np.int32)  # as in an exact cycle: the same keys
+        x = self._inputs(rows, [prop.budget for prop in group])  # unsalted, as exact cycles
         name = draft.name if isinstance(draft, ModelDraft) else None
         drafts, q, e.kv, draft_kv = e.spec_steps.propose(
-            e.params, e.kv, draft, e.draft_kvs.get(name), last, positions, num_draft,
-            e.block_tables(rows, n), sampling, salt, gamma=rows[0].spec.gamma, sampler=sampler)
+            e.params, e.kv, draft, e.draft_kvs.get(name), x.last, x.positions, x.num_draft,
+            x.block_tables, x.sampling, x.salt, gamma=rows[0].spec.gamma, sampler=x.sampler)
         if name:
             e.draft_kvs[name] = draft_kv
-        judged = _Judged(drafts, q, num_draft, sampling, salt, sampler)
+        judged = _Judged(drafts, q, x)
         host = np.asarray(drafts)
         for j, prop in enumerate(group):
-            prop.drafts = [int(t) for t in host[j, :budgets[j]]]
+            prop.drafts = [int(t) for t in host[j, :prop.budget]]
             prop.judged, prop.slot = judged, j
 
     def take_verified(self, verify: list[tuple], drawn, logits, now: float):
         """Take what a ragged step gave each verifying request, from its rows (its last
         token at `position` in row `row`, then its drafts): (requests still running,
         the text each made visible). Gives back the rejected positions' pages."""
-        decisions = {}  # id(_Judged) -> (accepted, next) on the host
-        for prop, row, _ in verify:
-            if prop.judged is not None and id(prop.judged) not in decisions:
-                decisions[id(prop.judged)] = self._judge(prop.judged, verify, logits)
+        for prop, _, _ in verify:
+            if prop.judged is not None and prop.judged.accepted is None:
+                self._judge(prop.judged, verify, logits)
         reqs, pieces = [], []
         for prop, row, position in verify:
             r = prop.request
@@ -272,22 +268,22 @@ class SpecRunner:
                     np.asarray(prop.drafts, np.int32)[None], np.array([len(prop.drafts)]),
                     xp=np)
             else:
-                accepted, nxt = (x[prop.slot] for x in decisions[id(prop.judged)])
+                accepted, nxt = prop.judged.accepted[prop.slot], prop.judged.next[prop.slot]
             reqs.append(r)
             pieces.append(self._keep(r, prop.drafts, int(accepted), int(nxt), position, now))
         return reqs, pieces
 
-    def _judge(self, judged: "_Judged", verify: list[tuple], logits):
+    def _judge(self, judged: "_Judged", verify: list[tuple], logits) -> None:
         """Exact acceptance of one device proposal's rows in the step's `logits`."""
-        gamma = judged.drafts.shape[1]
-        index = np.zeros((judged.num_draft.shape[0], gamma + 1), np.int32)
+        x, gamma = judged.x, judged.drafts.shape[1]
+        index = np.zeros((len(x.last), gamma + 1), np.int32)
         for prop, row, _ in verify:
             if prop.judged is judged:  # positions past a row's drafts repeat its last
                 index[prop.slot] = row + np.minimum(np.arange(gamma + 1), len(prop.drafts))
         accepted, nxt = self.engine.spec_steps.judge(
-            logits, index, judged.drafts, judged.q, judged.num_draft, judged.sampling,
-            judged.salt, sampler=judged.sampler)
-        return np.asarray(accepted), np.asarray(nxt)
+            logits, index, judged.drafts, judged.q, x.num_draft, x.sampling, x.salt,
+            sampler=x.sampler)
+        judged.accepted, judged.next = np.asarray(accepted), np.asarray(nxt)
 
     def _keep(self, r, drafts: list[int], accepted: int, nxt: int, position: int,
               now: float) -> str:
@@ -444,15 +440,25 @@ class SmcRun:
         yield from engine.finished([chosen], [chosen.pending])
 
 
+class _Inputs(NamedTuple):
+    """The device inputs of a cycle or a proposal over some rows (see SpecRunner._inputs)."""
+    last: np.ndarray        # [B] each row's last token, not yet in the KV
+    positions: np.ndarray   # [B] its position
+    num_draft: np.ndarray   # [B] drafts it may verify
+    salt: np.ndarray        # [B] 0, or an SMC particle's own salt
+    sampling: object
+    sampler: str
+    block_tables: np.ndarray
+
+
 @dataclass
 class _Judged:
-    """A device draft's proposals on the device, kept for `SpecSteps.judge`."""
-    drafts: object      # [B, gamma]
-    q: object           # [B, gamma, V]
-    num_draft: np.ndarray
-    sampling: object
-    salt: np.ndarray
-    sampler: str
+    """A device draft's proposals, kept for `SpecSteps.judge`, and its decisions."""
+    drafts: object      # [B, gamma] on the device
+    q: object           # [B, gamma, V] on the device
+    x: _Inputs
+    accepted: np.ndarray | None = None
+    next: np.ndarray | None = None
 
 
 @dataclass
