@@ -346,7 +346,7 @@ def main(argv=None) -> int:
               "settings": run, "started_utc": started.isoformat(),
               "environment": environment(False), "git": git, "workloads": workloads}
     speed = args.only != "quality"
-    names = (list(config["workloads"]) if speed else []) + \
+    names = (run.get("workloads", list(config["workloads"])) if speed else []) + \
         (["smc_quality"] if args.only != "speed" else [])
     prompt_text, targets = {}, {}
     for name in names:

@@ -88,16 +88,16 @@ def test_out_of_pages_is_all_or_nothing():
     assert pool.num_free == 3 and seq.pages == []
 
 
-def test_engine_shares_a_small_pool_on_need(tmp_path):
+def test_engine_shares_a_small_pool_on_need(tiny_models, cache_dir):
     """Room for barely one worst case: requests are admitted on need and preempt each
     other, each gives its solo tokens, and a max_tokens beyond the pool is not refused:
     the request runs until the pool is full."""
     import xlr_jax
 
     # 3 usable pages of 16; each request (3-5 prompt tokens + 14) may need 2 pages
-    small = xlr_jax.load_model("smollm2", cache_dir=tmp_path, num_pages=4, page_size=16,
-                               max_context=64)
-    prompts = ["The capital of France is", "Water boils at", "My favourite colour"]
+    small = xlr_jax.load_model(str(tiny_models.target), dtype="float32", cache_dir=cache_dir,
+                               num_pages=4, page_size=16, max_context=64)
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1], [6, 6, 2, 5]]
     alone = [small.generate(p, max_tokens=14, ignore_eos=True).token_ids for p in prompts]
     together = small.generate(prompts, max_tokens=14, ignore_eos=True)
     assert [r.token_ids for r in together] == alone
@@ -111,18 +111,23 @@ def test_engine_shares_a_small_pool_on_need(tmp_path):
     assert small.generate(prompts[0], max_tokens=14, ignore_eos=True).token_ids == alone[0]
 
 
-def test_each_step_compiles_once_per_bucket(model):
+def test_each_step_compiles_once_per_bucket(tiny_models, cache_dir):
+    """Random batches of random-length prompts compile no step shape beyond the plan's
+    buckets (the bucketing is the model's shape-independent half: the tiny model)."""
+    import xlr_jax
+
+    model = xlr_jax.load_model(str(tiny_models.target), dtype="float32", cache_dir=cache_dir)
     engine = model.engine
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 
     def workload():
         rng = np.random.default_rng(0)
         for _ in range(50):
             batch = int(rng.integers(1, 4))
-            prompts = [" ".join(rng.choice(words, int(rng.integers(1, 60)))) for _ in range(batch)]
+            prompts = [rng.integers(1, 8, int(rng.integers(1, 300))).tolist()
+                       for _ in range(batch)]
             model.generate(prompts, max_tokens=int(rng.integers(1, 4)))
 
     shapes = len(engine.steps.keys())
     for _ in range(2):  # the second time prompts hit the prefix cache: shorter prefills
         workload()
-        assert engine.steps.compilations()["step"] <= shapes
+        assert shapes // 2 < engine.steps.compilations()["step"] <= shapes  # most, no more

@@ -191,11 +191,12 @@ def test_concurrent_sequences_share_a_cached_prefix(models):
         cached.generate({"stabel": "x"})
 
 
-def test_tight_pool_evicts_cache_instead_of_failing(tmp_path):
+def test_tight_pool_evicts_cache_instead_of_failing(tiny_models, cache_dir):
     """Room for about two sequences: cached pages make way, outputs stay the same."""
-    model = xlr_jax.load_model("smollm2", cache_dir=tmp_path, page_size=16, max_context=256,
-                               num_pages=14, max_batch=2)
-    prompts = [f"Story {i}: once upon a time a robot named R{i} " * 3 for i in range(5)]
+    model = xlr_jax.load_model(str(tiny_models.target), dtype="float32", cache_dir=cache_dir,
+                               page_size=16, max_context=256, num_pages=14, max_batch=2)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 8, 45).tolist() for _ in range(5)]
     first = [model.generate(p, max_tokens=8, ignore_eos=True).token_ids for p in prompts]
     again = [model.generate(p, max_tokens=8, ignore_eos=True).token_ids for p in prompts]
     assert first == again
@@ -204,11 +205,11 @@ def test_tight_pool_evicts_cache_instead_of_failing(tmp_path):
     assert stats["pages_cached"] < 5 * 3  # not everything could stay
 
 
-def test_cli_switch_turns_the_cache_off(tmp_path):
+def test_cli_switch_turns_the_cache_off(cache_dir):
     import subprocess
     import sys
     args = [sys.executable, "-m", "xlr_jax.cli", "generate", "--json", "--max-tokens", "4",
-            "--cache-dir", str(tmp_path), "Hello there"]
+            "--cache-dir", str(cache_dir), "Hello there"]
     on = json.loads(subprocess.run(args, capture_output=True, text=True, timeout=600).stdout)
     off = json.loads(subprocess.run(args[:4] + ["--no-prefix-cache"] + args[4:],
                                     capture_output=True, text=True, timeout=600).stdout)
@@ -274,12 +275,14 @@ def test_stable_tier_survives_a_restart_and_bad_files_are_recomputed(tmp_path):
 
 
 @pytest.mark.parametrize("num_pages,volatile_cached", [(8, False), (40, True)])
-def test_volatile_pages_leave_the_cache_when_memory_is_tight(tmp_path, num_pages,
+def test_volatile_pages_leave_the_cache_when_memory_is_tight(tiny_models, tmp_path, num_pages,
                                                             volatile_cached):
-    model = xlr_jax.load_model("smollm2", cache_dir=tmp_path, page_size=16, max_context=128,
-                               num_pages=num_pages, max_batch=1)
-    prompt = {"stable": "Rules: be brief, be kind, cite sources, never guess. " * 3,
-              "volatile": " Tell me about the history of the printing press in Europe."}
+    # a cache folder of its own: no stable-tier snapshot from another test or parameter
+    model = xlr_jax.load_model(str(tiny_models.target), dtype="float32", cache_dir=tmp_path,
+                               page_size=16, max_context=128, num_pages=num_pages, max_batch=1)
+    words = np.random.default_rng(0).integers(1, 8, 76)
+    prompt = {"stable": " ".join(f"t{w}" for w in words[:36]),   # 2.25 pages
+              "volatile": "".join(f" t{w}" for w in words[36:])}
     r = model.generate(prompt, max_tokens=8, ignore_eos=True)
     written = r.metrics["prompt_tokens"] + 7
     stable_pages = -(-r.metrics["stable_tokens"] // 16)  # its last page holds volatile too
