@@ -78,8 +78,9 @@ def timers(model, context: int, draft_name: str):
         np.asarray(drafts)  # the host builds the step's rows from them
         logits = step(rows)
         index = (plain + np.minimum(np.arange(gamma + 1), drafts_in_rows))[None]
-        accepted, _ = e.spec_steps.judge(logits, index.astype(np.int32), drafts, q, num_draft,
-                                         sampling, salt, sampler=sampler)
+        accepted, *_ = e.spec_steps.judge(logits, index.astype(np.int32), drafts, q,
+                                          num_draft, sampling, salt, sampler=sampler,
+                                          method="exact")
         np.asarray(accepted)
 
     def cycle(gamma: int):

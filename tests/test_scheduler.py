@@ -40,27 +40,26 @@ def _idle(model) -> dict:
 
 
 def test_threads_get_what_each_request_gets_alone(model):
-    """10 threads x 2 requests at once, every kind on every prompt (20 = 5 kinds x 4
-    prompts): each output equals its solo run."""
-    requests = [_request(i) for i in range(20)]
+    """16 threads x 4 requests of every kind at once: each output equals its solo run."""
+    requests = [_request(i) for i in range(64)]
     solo = [_generate(model, r).token_ids for r in requests]
     got: dict[int, list[int]] = {}
     errors = []
 
     def caller(t: int):
         try:
-            for i in range(t, 20, 10):
+            for i in range(t, 64, 16):
                 got[i] = _generate(model, requests[i]).token_ids
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=caller, args=(t,)) for t in range(10)]
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(16)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=900)
     assert not errors, errors
-    assert [got[i] for i in range(20)] == solo
+    assert [got[i] for i in range(64)] == solo
     _idle(model)
 
 

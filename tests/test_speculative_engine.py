@@ -123,6 +123,36 @@ def test_a_draft_model_verifies_as_rows_with_its_own_kv(tiny_models):
     assert target.engine.pool.refcounts.sum() == 0
 
 
+@pytest.mark.parametrize("min_agreement", [0, 0.01], ids=["smc", "probation-then-smc"])
+def test_smc_particles_verify_as_rows_beside_other_streams(tiny_models, min_agreement):
+    """Beside a plain stream, two SMC requests' particles propose in draft passes and
+    verify as rows of the stream's ragged steps (no cycle runs), probation's one-particle
+    exact cycles too: every answer, its particles and their weights are those of the
+    request alone (in cycles), and the stream's tokens its own."""
+    target = load(tiny_models.target)
+    spec = {"method": "smc", "draft": str(tiny_models.flat_head), "gamma": 2,
+            "particles": 2, "min_agreement": min_agreement}
+    kw = dict(max_tokens=20, temperature=1.0, ignore_eos=True, speculative=spec)
+    stream = dict(seed=9, max_tokens=90, ignore_eos=True, temperature=1.0)
+    cycles = lambda: target.stats()["speculative"]["cycles"]  # noqa: E731
+    solo_stream = target.generate(PROMPT[:3], **stream)
+    alone = [target.generate(PROMPT, seed=seed, **kw) for seed in (1, 2)]
+    before = cycles()
+    other = target.submit(PROMPT[:3], **stream)
+    beside = [h.result() for h in [target.submit(PROMPT, seed=seed, **kw) for seed in (1, 2)]]
+    assert other.result().token_ids == solo_stream.token_ids
+    assert cycles() == before, "a population ran a cycle of its own"
+    for got, ref in zip(beside, alone):
+        assert got.metrics["smc_cycles"] > 0 and got.metrics["smc_fallback"] is None
+        assert got.token_ids == ref.token_ids
+        assert [p["token_ids"] for p in got.particles] == [p["token_ids"] for p in ref.particles]
+        assert np.allclose([p["log_weight"] for p in got.particles],
+                           [p["log_weight"] for p in ref.particles], atol=1e-4)
+        assert got.metrics["log_normalizer"] == pytest.approx(ref.metrics["log_normalizer"],
+                                                              abs=1e-3)
+    assert target.engine.pool.refcounts.sum() == 0
+
+
 def test_rows_or_a_cycle_as_measured(tiny_models):
     """A long-context exact request beside one plain stream verifies in cycles of its own
     (rows measured slower there: runner.ROWS_UP_TO_CONTEXT), beside three as rows; a

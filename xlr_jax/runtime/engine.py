@@ -468,8 +468,9 @@ class Engine:
     def _loop(self, waiting: deque, active: list[_Request], poll):
         """Every step carries one token of each running plain request, a chunk of the
         oldest request still prefilling (plain or speculating) and, when it runs, the
-        drafts of exact speculating requests as rows; between steps, every other
-        speculating request that has its first token runs one cycle (`SpecRunner.run`).
+        drafts of speculating requests (an SMC request's particles') as rows where rows
+        pay; between steps, every other speculating request that has its first token
+        runs one cycle (`SpecRunner.run`).
         Requests of every kind join and leave between steps."""
         inflight: _Step | None = None  # dispatched, its tokens not read back yet
         while True:
@@ -501,13 +502,14 @@ class Engine:
             plain = [r for r in running if r.decoding and r.spec is None]
             speculating = [r for r in running if r.decoding and r.spec is not None]
             chunk = next((r for r in running if not r.decoding), None)
-            if plain or chunk:  # exact speculation verifies as rows of this step
+            if plain or chunk:  # speculation verifies as rows of this step where it pays
                 rows = [r for r in speculating if self._spec_runner.verifies_in_rows(
                     r, len(plain), chunk is not None)]
-                speculating = [r for r in speculating if r not in rows]
-                room = self.buckets.batch[-1] - len(plain) - len(rows)
-                inflight = self.dispatch(plain, chunk,
-                                         verify=self._spec_runner.proposals(rows, room))
+                verify, left = self._spec_runner.proposals(
+                    rows, self.buckets.batch[-1] - len(plain),
+                    sum(self.owed_pages(r) for r in running))
+                speculating = [r for r in speculating if r not in rows or r in left]
+                inflight = self.dispatch(plain, chunk, verify=verify)
             if speculating:  # after the plain step: the cycles read its KV
                 promised = sum(self.owed_pages(r) for r in running)
                 yield from self._spec_runner.run(speculating, promised)

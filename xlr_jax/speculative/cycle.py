@@ -7,10 +7,11 @@ acceptance (`acceptance.accept_block`; for host proposals `accept_by_matching`, 
 emits what plain sampling would) or, for SMC, a bonus token from the
 target beside each draft token's log p and log q (the host adds the weights of
 the tokens a particle keeps: `smc.block_increment`). The host then trims each
-row's block table and length to what was kept; nothing is copied. An exact
-request beside other streams runs the cycle's two halves around their ragged
-step instead: `propose` (the device draft), then `judge` (its acceptance on the
-step's logits, with the cycle's keys), so its rows share the step's target pass.
+row's block table and length to what was kept; nothing is copied. A request (or
+an SMC population's particles) beside other streams runs the cycle's two halves
+around their ragged step instead: `propose` (the device draft), then `judge` (exact
+acceptance or SMC's bonus token and weights, on the step's logits, with the cycle's
+keys), so its rows share the step's target pass.
 
 Drafts share one interface, `Draft.kind`:
 - "tokens": proposals made on the host (n-gram prompt lookup), q a point mass;
@@ -266,15 +267,33 @@ def _accept_exact(k_accept, drafts, q, p, num_draft):
     return accepted[:, 0], nxt[:, 0]
 
 
+def _decide(k_accept, drafts, q, p, num_draft, method: str):
+    """What a cycle keeps of device proposals scored by the target (p [B, gamma + 1, V]):
+    (accepted [B], next [B], log p and log q of each draft [B, gamma], agreement
+    sum_v min(p, q) at each draft position [B, gamma]). Exact: `accept_block`. SMC:
+    every real draft is kept and `next` is a bonus token from p after them."""
+    gamma = drafts.shape[1]
+    pick = lambda probs: jnp.take_along_axis(probs, drafts[..., None], -1)[..., 0]  # noqa: E731
+    log_p = jnp.log(jnp.maximum(pick(p[:, :gamma]), 1e-30))
+    log_q = jnp.log(jnp.maximum(pick(q), 1e-30))
+    agreement = jnp.sum(jnp.minimum(p[:, :gamma], q), axis=-1)
+    if method == "exact":
+        accepted, nxt = _accept_exact(k_accept, drafts, q, p, num_draft)
+    else:
+        accepted = num_draft
+        nxt = _draw(k_accept, jnp.take_along_axis(p, num_draft[:, None, None], 1)[:, 0])
+    return accepted, nxt, log_p, log_q, agreement
+
+
 def _judge_rows(logits, index, drafts, q, num_draft, sampling: SamplingBatch, salt, *,
-                sampler: str):
-    """Exact acceptance of device proposals that a ragged step scored as rows: `index`
+                sampler: str, method: str):
+    """`_decide` for device proposals that a ragged step scored as rows: `index`
     [B, gamma + 1] picks each row's last token and drafts out of the step's logits.
-    Draws what `_cycle` draws for the same proposals (the same keys): (accepted, next)."""
+    Draws what `_cycle` draws for the same proposals (the same keys)."""
     gamma = drafts.shape[1]
     p = _target_probs(logits[index.reshape(-1)], sampling, sampler, gamma)
     _, k_accept = _row_keys(sampling, salt)
-    return _accept_exact(k_accept, drafts, q, p, num_draft)
+    return _decide(k_accept, drafts, q, p, num_draft, method)
 
 
 def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed, num_draft,
@@ -316,15 +335,7 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
         unweighed = jnp.zeros(drafts.shape, jnp.float32)  # no q to weigh or compare with
         return accepted, nxt, drafts, unweighed, unweighed, unweighed, kv, draft_kv
     p = _target_probs(logits, sampling, sampler, gamma)
-    pick = lambda probs: jnp.take_along_axis(probs, drafts[..., None], -1)[..., 0]  # noqa: E731
-    log_p = jnp.log(jnp.maximum(pick(p[:, :gamma]), 1e-30))
-    log_q = jnp.log(jnp.maximum(pick(q), 1e-30))
-    agreement = jnp.sum(jnp.minimum(p[:, :gamma], q), axis=-1)
-    if method == "exact":
-        accepted, nxt = _accept_exact(k_accept, drafts, q, p, num_draft)
-    else:
-        accepted = num_draft
-        nxt = _draw(k_accept, jnp.take_along_axis(p, num_draft[:, None, None], 1)[:, 0])
+    accepted, nxt, log_p, log_q, agreement = _decide(k_accept, drafts, q, p, num_draft, method)
     return accepted, nxt, drafts, log_p, log_q, agreement, kv, draft_kv
 
 
@@ -346,7 +357,7 @@ def _jitted(config: ModelConfig, attn_impl: str, compiler_options: tuple) -> _Pr
                   donate_argnames=("kv", "draft_kv"), static_argnames=(*draft_args, "method")),
         propose=jit(partial(_propose, config=config, attn_impl=attn_impl),
                     donate_argnames=("kv", "draft_kv"), static_argnames=draft_args),
-        judge=jit(_judge_rows, static_argnames="sampler"))
+        judge=jit(_judge_rows, static_argnames=("sampler", "method")))
 
 
 def _draft_inputs(draft: Draft) -> tuple:
@@ -383,11 +394,13 @@ class SpecSteps:
             params, kv, draft_params, draft_kv, last, positions, num_draft, block_tables,
             sampling, salt, gamma=gamma, sampler=sampler, **static)
 
-    def judge(self, logits, index, drafts, q, num_draft, sampling, salt, *, sampler: str):
-        """Exact acceptance of `propose`'s drafts scored in a ragged step's `logits`
-        (rows `index` [B, gamma + 1]): (accepted [B], next token [B])."""
+    def judge(self, logits, index, drafts, q, num_draft, sampling, salt, *, sampler: str,
+              method: str):
+        """What a cycle of `method` keeps of `propose`'s drafts scored in a ragged step's
+        `logits` (rows `index` [B, gamma + 1]): (accepted [B], next token [B], log p
+        [B, gamma], log q, agreement)."""
         return self._programs.judge(logits, index, drafts, q, num_draft, sampling, salt,
-                                    sampler=sampler)
+                                    sampler=sampler, method=method)
 
     def compilations(self) -> int:
         """Cycles compiled for every model sharing this jitted cycle (see `_jitted`)."""

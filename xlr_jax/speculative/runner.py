@@ -2,13 +2,14 @@
 
 Speculating requests live in the engine's one loop beside plain ones (see
 `Engine.serve`): they prefill in its ragged steps and sample their first token
-there. Exact requests verify as rows of the ragged step when it runs for other
-requests and rows measured faster than a cycle of their own (`verifies_in_rows`,
-`proposals`, `take_verified`): one target pass for all. Host proposals (n-gram) are
-made before the step; a device draft (self:K, a draft model) proposes in a pass of
-its own (`SpecSteps.propose`), and its drafts are judged on the step's logits with
-the keys its own cycle would use (`SpecSteps.judge`). Otherwise, between plain
-steps, `SpecRunner.run` gives each request one cycle.
+there. They verify as rows of the ragged step when it runs for other requests and
+rows measured faster than a cycle of their own (`verifies_in_rows`, `proposals`,
+`take_verified`): one target pass for all. So do an SMC request's particles, when its
+population fits in the step's rows. Host proposals (n-gram) are made before the
+step; a device draft (self:K, a draft model) proposes in a pass of its own
+(`SpecSteps.propose`), and its drafts are judged on the step's logits with the keys
+its own cycle would use (`SpecSteps.judge`, exact or SMC's). Otherwise, between
+plain steps, `SpecRunner.run` gives each request one cycle.
 Exact-speculation requests with the same configuration are the rows of one batched
 cycle; so are the particles of SMC requests with the same configuration (`SmcRun`, one
 population per request), as many populations as the largest batch holds. The
@@ -95,11 +96,10 @@ class SpecRunner:
         runs = []
         try:
             for r in reqs:
-                if r.smc is None:  # its first cycle
-                    r.smc = SmcRun(r)
-                runs.append(r.smc)
-                elsewhere = promised - self.engine.owed_pages(r)
-                r.smc.prepare(self, self.engine.pool.num_available - elsewhere)
+                run, free = self._population(r, promised)
+                runs.append(run)
+                if not run.prepared:  # (a population that ended in proposals is)
+                    run.prepare(self, free)
             ready = [run for run in runs if run.rows]
             for group in _batches(ready, lambda run: run.key, lambda run: len(run.rows),
                                   self.engine.buckets.batch[-1]):
@@ -201,50 +201,88 @@ class SpecRunner:
 
     @staticmethod
     def verifies_in_rows(r, plain_rows: int, chunk: bool) -> bool:
-        """Whether a request verifies its drafts as rows of a ragged step that runs
-        `plain_rows` decode rows and maybe a prefill `chunk` (whose step pads its rows
-        to the largest bucket anyway): exact speculation (SMC particles keep their
-        cycles), where rows measured faster than its own cycle (see ROWS_FROM_STREAMS).
-        Host proposals are decided by the plain sampler's draws
-        (`acceptance.accept_by_matching`); a device draft's by `SpecSteps.judge` on the
-        step's logits, as its own cycle would: either way, the same tokens."""
-        return r.spec.method == "exact" and (
-            chunk or plain_rows >= ROWS_FROM_STREAMS or r.seq.length <= ROWS_UP_TO_CONTEXT)
+        """Whether a request verifies its drafts (an SMC request: its particles' drafts)
+        as rows of a ragged step that runs `plain_rows` decode rows and maybe a prefill
+        `chunk` (whose step pads its rows to the largest bucket anyway): where rows
+        measured faster than its own cycle (see ROWS_FROM_STREAMS). Host proposals are
+        decided by the plain sampler's draws (`acceptance.accept_by_matching`); a device
+        draft's by `SpecSteps.judge` on the step's logits, as its own cycle would:
+        either way, the same tokens."""
+        context = r.smc.most_tokens() if r.smc is not None else r.seq.length
+        return chunk or plain_rows >= ROWS_FROM_STREAMS or context <= ROWS_UP_TO_CONTEXT
 
-    def proposals(self, reqs, room: int) -> list["Proposal"]:
-        """A Proposal for each of `reqs` (see `verifies_in_rows`): its drafts within its
-        budget and the `room` rows left in the step, shared in order (fewer drafts
-        change how fast, never what, a request generates). Device drafts propose in one
-        pass per (configuration, draft), which reserves the pages their rows write."""
+    def proposals(self, reqs, room: int, promised: int) -> tuple[list["Proposal"], list]:
+        """Proposals to verify as rows of a ragged step with `room` rows for them: one for
+        each exact request of `reqs` (see `verifies_in_rows`) and one for each live
+        particle of each SMC request whose population fits (sized from the pages nobody
+        else is promised, see `_smc`) and, with all its drafts, fits in the rows (fewer
+        drafts would change what it generates). The rows left after those and every
+        exact request's last token go to exact requests' drafts within each one's
+        budget, in order (fewer drafts change how fast, never what, an exact request
+        generates). Device drafts propose in one pass per (configuration, draft,
+        method), which reserves the pages their rows write. Returns (proposals, the
+        SMC requests left to cycles of their own)."""
+        exact = [r for r in reqs if r.spec.method == "exact"]
+        room -= len(exact)  # every exact request's last token
+        populations, left = [], []
+        for r in reqs:
+            if r.spec.method == "smc":
+                run, free = self._population(r, promised)
+                if run.prepare(self, free, max_rows=room) and run.rows:
+                    populations.append(run)
+                    room -= sum(1 + b for b in self.budgets(run.rows))
+                else:  # no room for it, or it ended: its own cycle, or its finish
+                    left.append(r)
         out, device = [], {}
-        for r, budget in zip(reqs, self.budgets(reqs)):
-            budget = max(0, min(budget, room))
-            if r.draft.kind == "tokens":
-                drafts = r.draft.propose(r.prompt_ids + r.generated, budget) if budget else []
-                out.append(Proposal(r, drafts))
-                room -= len(drafts)
+        for r in reqs:
+            if r.spec.method == "exact":
+                budget = max(0, min(self.budgets([r])[0], room))
+                if r.draft.kind == "tokens":
+                    drafts = r.draft.propose(r.prompt_ids + r.generated, budget) if budget else []
+                    out.append(Proposal(r, drafts))
+                    room -= len(drafts)
+                    continue
+                props = [Proposal(r, [], budget=budget)]
+                method, salts = "exact", [0]
+            elif (run := r.smc) in populations:
+                props = [Proposal(p, [], budget=b, run=run)
+                         for p, b in zip(run.rows, self.budgets(run.rows))]
+                method = "exact" if run.single else "smc"
+                salts = [0] * len(props) if run.single else list(run.live)
             else:
-                out.append(Proposal(r, [], budget=budget))
-                device.setdefault((r.spec, r.draft), []).append(out[-1])
-                room -= budget
-        for group in device.values():
-            self._propose(group)
-        return out
+                continue
+            for prop, salt in zip(props, salts):
+                prop.salt = salt
+            out += props
+            room -= sum(prop.budget for prop in props)
+            device.setdefault((r.spec, r.draft, method), []).extend(props)
+        for (_, _, method), group in device.items():
+            self._propose(group, method)
+        return out, left
 
-    def _propose(self, group: list["Proposal"]) -> None:
-        """Run the device draft of `group` (one configuration) and fill in its drafts."""
+    def _population(self, r, promised: int) -> tuple["SmcRun", int]:
+        """An SMC request's population (made at its first cycle) and the pages it may
+        use: free ones not promised to the other running requests."""
+        self._draft_prefill(r)
+        if r.smc is None:
+            r.smc = SmcRun(r)
+        return r.smc, self.engine.pool.num_available - (promised - self.engine.owed_pages(r))
+
+    def _propose(self, group: list["Proposal"], method: str) -> None:
+        """Run the device draft of `group` (one configuration and method) and fill in its
+        drafts."""
         e, rows = self.engine, [prop.request for prop in group]
         draft = rows[0].draft
         for r in rows:
             self._draft_prefill(r)
-        x = self._inputs(rows, [prop.budget for prop in group])  # unsalted, as exact cycles
+        x = self._inputs(rows, [prop.budget for prop in group], [prop.salt for prop in group])
         name = draft.name if isinstance(draft, ModelDraft) else None
         drafts, q, e.kv, draft_kv = e.spec_steps.propose(
             e.params, e.kv, draft, e.draft_kvs.get(name), x.last, x.positions, x.num_draft,
             x.block_tables, x.sampling, x.salt, gamma=rows[0].spec.gamma, sampler=x.sampler)
         if name:
             e.draft_kvs[name] = draft_kv
-        judged = _Judged(drafts, q, x)
+        judged = _Judged(drafts, q, x, method)
         host = np.asarray(drafts)
         for j, prop in enumerate(group):
             prop.drafts = [int(t) for t in host[j, :prop.budget]]
@@ -252,14 +290,20 @@ class SpecRunner:
 
     def take_verified(self, verify: list[tuple], drawn, logits, now: float):
         """Take what a ragged step gave each verifying request, from its rows (its last
-        token at `position` in row `row`, then its drafts): (requests still running,
-        the text each made visible). Gives back the rejected positions' pages."""
+        token at `position` in row `row`, then its drafts): (requests still running or
+        just finished, the text each made visible). Gives back the rejected positions'
+        pages. An SMC population weighs what its particles kept, and when it has ended
+        gives its answer (the chosen particle, with all its text)."""
         for prop, _, _ in verify:
             if prop.judged is not None and prop.judged.accepted is None:
                 self._judge(prop.judged, verify, logits)
-        reqs, pieces = [], []
+        reqs, pieces, populations = [], [], {}
         for prop, row, position in verify:
             r = prop.request
+            if prop.run is not None:
+                if prop.run.req.finish_reason is None:  # not aborted meanwhile
+                    populations.setdefault(id(prop.run), []).append((prop, position))
+                continue
             if r.finish_reason is not None:
                 continue
             if prop.judged is None:
@@ -271,19 +315,45 @@ class SpecRunner:
                 accepted, nxt = prop.judged.accepted[prop.slot], prop.judged.next[prop.slot]
             reqs.append(r)
             pieces.append(self._keep(r, prop.drafts, int(accepted), int(nxt), position, now))
+        for particles in populations.values():
+            run = particles[0][0].run
+            run.absorb(self._kept_by_particles(particles))
+            if run.ended:
+                chosen = run.conclude()
+                reqs.append(chosen)
+                pieces.append(chosen.pending)
         return reqs, pieces
 
+    def _kept_by_particles(self, particles: list[tuple]) -> "_Cycle":
+        """One population's cycle, from its particles' judged rows (proposal, position):
+        each keeps its drafts up to `accepted` and `next`; the pages after are given back."""
+        kept, num_draft, log_p, log_q, agreement = [], [], [], [], []
+        for prop, position in particles:
+            judged, j = prop.judged, prop.slot
+            a = int(judged.accepted[j])
+            prop.request.seq.trim(position + a + 1)
+            self._count(prop.request, len(prop.drafts), a)
+            kept.append([*prop.drafts[:a], int(judged.next[j])])
+            num_draft.append(len(prop.drafts))
+            log_p.append(judged.log_p[j])
+            log_q.append(judged.log_q[j])
+            agreement.append(judged.agreement[j])
+        return _Cycle(kept, np.array(num_draft), np.array(log_p), np.array(log_q),
+                      np.array(agreement))
+
     def _judge(self, judged: "_Judged", verify: list[tuple], logits) -> None:
-        """Exact acceptance of one device proposal's rows in the step's `logits`."""
+        """Acceptance (exact, or SMC's) of one device proposal's rows in the step's
+        `logits`."""
         x, gamma = judged.x, judged.drafts.shape[1]
         index = np.zeros((len(x.last), gamma + 1), np.int32)
         for prop, row, _ in verify:
             if prop.judged is judged:  # positions past a row's drafts repeat its last
                 index[prop.slot] = row + np.minimum(np.arange(gamma + 1), len(prop.drafts))
-        accepted, nxt = self.engine.spec_steps.judge(
+        decided = self.engine.spec_steps.judge(
             logits, index, judged.drafts, judged.q, x.num_draft, x.sampling, x.salt,
-            sampler=x.sampler)
-        judged.accepted, judged.next = np.asarray(accepted), np.asarray(nxt)
+            sampler=x.sampler, method=judged.method)
+        (judged.accepted, judged.next, judged.log_p, judged.log_q,
+         judged.agreement) = map(np.asarray, decided)
 
     def _keep(self, r, drafts: list[int], accepted: int, nxt: int, position: int,
               now: float) -> str:
@@ -351,11 +421,16 @@ class SmcRun:
         self.particles, self.log_w = [req], np.zeros(1)
         self.watch = SmcWatch(req.spec.min_agreement)
         self.draws = 0  # resample keys used: every resample its own
-        # this cycle's: one particle (exact)?, the live particles' indices, and they
+        # this cycle's: one particle (exact)?, the live particles' indices, and they;
+        # prepared for it (its N and pages taken), not yet absorbed
         self.single, self.live, self.rows = True, [], []
+        self.prepared = False
 
     def most_pages(self) -> int:
         return max(len(p.seq.pages) for p in self.particles)
+
+    def most_tokens(self) -> int:
+        return max(p.seq.length for p in self.particles)
 
     def _resample(self, n: int, degenerate: bool) -> None:
         """Draw n particles by weight (forks of the ancestors), weights equal again."""
@@ -377,12 +452,18 @@ class SmcRun:
         """Populations with equal keys share a batched cycle."""
         return self.single, self.req.spec, self.req.draft
 
-    def prepare(self, runner: SpecRunner, free: int) -> None:
+    def prepare(self, runner: SpecRunner, free: int, max_rows: int | None = None) -> bool:
         """Before a cycle: N from `free` pages (none promised to other requests), resample
-        or split to it, and take the pages the live particles (`rows`) may write."""
+        or split to it, and take the pages the live particles (`rows`) may write. With
+        `max_rows`, a population whose particles and all their drafts would take more
+        rows is left as it is (False)."""
         spec, watch = self.req.spec, self.watch
         # N follows free pages both ways: shrink by resampling, grow by splitting
         n = 1 if watch.single else runner.particle_count(self.req, self.particles, free)
+        if max_rows is not None:  # particles are forks of the live ones: the same budget
+            live = [p for p in self.particles if p.finish_reason is None]
+            if not live or n * (1 + max(runner.budgets(live))) > max_rows:
+                return False
         degenerate = float(ess(self.log_w)) < spec.ess_threshold * len(self.particles)
         if degenerate or n < len(self.particles):
             self._resample(n, degenerate)
@@ -397,10 +478,13 @@ class SmcRun:
         if self.rows:  # none: resampled onto finished particles only
             watch.particles.append(len(self.particles))
             runner.reserve(self.rows, runner.budgets(self.rows))
+        self.prepared = True
+        return True
 
     def absorb(self, out: "_Cycle") -> None:
         """After its cycle: each live particle takes its tokens, and the drafts it kept
         weigh it."""
+        self.prepared = False
         now = time.perf_counter()
         taken = np.zeros(len(self.rows), np.int64)
         for j, (p, toks) in enumerate(zip(self.rows, out.kept)):
@@ -422,8 +506,13 @@ class SmcRun:
         return not self.rows or all(p.finish_reason is not None for p in self.particles)
 
     def finish(self, engine):
-        """The answer: one particle drawn by weight; the others give their pages back.
-        Yields the engine's events."""
+        """The answer (see `conclude`), as the engine's events."""
+        chosen = self.conclude()
+        yield from engine.finished([chosen], [chosen.pending])
+
+    def conclude(self):
+        """The answer: one particle drawn by weight, which the request's result becomes;
+        the others give their pages back."""
         req, watch = self.req, self.watch
         watch.log_z += float(log_mean_weight(self.log_w))
         chosen = self.particles[int(pick_answer(self.answer_key,
@@ -437,7 +526,7 @@ class SmcRun:
                             for p, lw in zip(self.particles, weights)]
         _summarize(chosen)
         req.finish_reason = chosen.finish_reason
-        yield from engine.finished([chosen], [chosen.pending])
+        return chosen
 
 
 class _Inputs(NamedTuple):
@@ -457,19 +546,26 @@ class _Judged:
     drafts: object      # [B, gamma] on the device
     q: object           # [B, gamma, V] on the device
     x: _Inputs
+    method: str         # "exact", or "smc" (a population's particles)
     accepted: np.ndarray | None = None
     next: np.ndarray | None = None
+    log_p: np.ndarray | None = None      # [B, gamma] each draft's, for SMC's weights
+    log_q: np.ndarray | None = None
+    agreement: np.ndarray | None = None  # [B, gamma] sum_v min(p, q), for SmcWatch
 
 
 @dataclass
 class Proposal:
-    """A speculating request's drafts to verify as rows of a ragged step; a device
-    draft's are judged together (`judged`, this request's row `slot` in it)."""
+    """A speculating request's (or an SMC particle's) drafts to verify as rows of a
+    ragged step; a device draft's are judged together (`judged`, this row's `slot` in
+    it, drawn with its `salt`); a particle's population is `run`."""
     request: Any
     drafts: list[int]
     budget: int = 0
     judged: _Judged | None = None
     slot: int = 0
+    salt: int = 0
+    run: "SmcRun | None" = None
 
 
 def _batches(items: list, key, size, cap: int):
