@@ -505,10 +505,12 @@ class Engine:
             if plain or chunk:  # speculation verifies as rows of this step where it pays
                 rows = [r for r in speculating if self._spec_runner.verifies_in_rows(
                     r, len(plain), chunk is not None)]
-                verify, left = self._spec_runner.proposals(
-                    rows, self.buckets.batch[-1] - len(plain),
-                    sum(self.owed_pages(r) for r in running))
-                speculating = [r for r in speculating if r not in rows or r in left]
+                verify = []
+                if rows:
+                    verify, left = self._spec_runner.proposals(
+                        rows, self.buckets.batch[-1] - len(plain),
+                        sum(self.owed_pages(r) for r in running))
+                    speculating = [r for r in speculating if r not in rows or r in left]
                 inflight = self.dispatch(plain, chunk, verify=verify)
             if speculating:  # after the plain step: the cycles read its KV
                 promised = sum(self.owed_pages(r) for r in running)

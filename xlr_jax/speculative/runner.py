@@ -103,9 +103,8 @@ class SpecRunner:
             ready = [run for run in runs if run.rows]
             for group in _batches(ready, lambda run: run.key, lambda run: len(run.rows),
                                   self.engine.buckets.batch[-1]):
-                salts = None if group[0].single else [s for run in group for s in run.live]
-                out = self.cycle([p for run in group for p in run.rows],
-                                 "exact" if group[0].single else "smc", salts)
+                out = self.cycle([p for run in group for p in run.rows], group[0].method,
+                                 [salt for run in group for salt in run.salts])
                 start = 0
                 for run in group:
                     run.absorb(out.part(start, start + len(run.rows)))
@@ -147,12 +146,8 @@ class SpecRunner:
         if name:
             e.draft_kvs[name] = draft_kv
         accepted, nxt, drafts = np.asarray(accepted), np.asarray(nxt), np.asarray(drafts)
-        kept = []
-        for j, r in enumerate(rows):
-            a = int(accepted[j])
-            r.seq.trim(int(x.positions[j]) + a + 1)  # `last` and the accepted drafts stay
-            self._count(r, budgets[j], a)
-            kept.append([*map(int, drafts[j, :a]), int(nxt[j])])
+        kept = [self._settle(r, [*map(int, drafts[j, :budgets[j]])], int(accepted[j]),
+                             int(nxt[j]), int(x.positions[j])) for j, r in enumerate(rows)]
         rows_n = len(rows)
         return _Cycle(kept, x.num_draft[:rows_n], np.asarray(log_p)[:rows_n],
                       np.asarray(log_q)[:rows_n], np.asarray(agreement)[:rows_n])
@@ -181,6 +176,14 @@ class SpecRunner:
         drafts (what rejected tokens used is trimmed after it)."""
         for r, b in zip(rows, budgets):
             self.engine.apply_copies(r.seq.reserve(r.seq.length + b + 1))
+
+    def _settle(self, r, drafts: list[int], accepted: int, nxt: int, position: int) -> list[int]:
+        """A row's verdict after its target pass (its last token at `position`): the
+        tokens it keeps, its first `accepted` drafts and `nxt`; the pages of the rejected
+        ones are given back and the pass is counted."""
+        r.seq.trim(position + accepted + 1)
+        self._count(r, len(drafts), accepted)
+        return [*drafts[:accepted], nxt]
 
     def _count(self, r, drafted: int, accepted: int) -> None:
         """One target pass of a request's row(s): in its metrics and the engine's."""
@@ -222,39 +225,34 @@ class SpecRunner:
         generates). Device drafts propose in one pass per (configuration, draft,
         method), which reserves the pages their rows write. Returns (proposals, the
         SMC requests left to cycles of their own)."""
-        exact = [r for r in reqs if r.spec.method == "exact"]
-        room -= len(exact)  # every exact request's last token
-        populations, left = [], []
-        for r in reqs:
-            if r.spec.method == "smc":
-                run, free = self._population(r, promised)
-                if run.prepare(self, free, max_rows=room) and run.rows:
-                    populations.append(run)
-                    room -= sum(1 + b for b in self.budgets(run.rows))
-                else:  # no room for it, or it ended: its own cycle, or its finish
-                    left.append(r)
+        smc = [r for r in reqs if r.spec.method == "smc"]
+        room -= len(reqs) - len(smc)  # every exact request's last token
+        left = []
+        for r in smc:
+            run, free = self._population(r, promised)
+            if run.prepare(self, free, max_rows=room) and run.rows:
+                room -= sum(1 + b for b in self.budgets(run.rows))
+            else:  # no room for it, or it ended: its own cycle, or its finish
+                left.append(r)
         out, device = [], {}
         for r in reqs:
-            if r.spec.method == "exact":
+            if r in left:
+                continue
+            if r.spec.method == "smc":
+                run = r.smc
+                props = [Proposal(p, [], budget=b, salt=salt, run=run) for p, b, salt
+                         in zip(run.rows, self.budgets(run.rows), run.salts)]
+                method = run.method
+            else:
                 budget = max(0, min(self.budgets([r])[0], room))
                 if r.draft.kind == "tokens":
                     drafts = r.draft.propose(r.prompt_ids + r.generated, budget) if budget else []
-                    out.append(Proposal(r, drafts))
                     room -= len(drafts)
+                    out.append(Proposal(r, drafts))
                     continue
-                props = [Proposal(r, [], budget=budget)]
-                method, salts = "exact", [0]
-            elif (run := r.smc) in populations:
-                props = [Proposal(p, [], budget=b, run=run)
-                         for p, b in zip(run.rows, self.budgets(run.rows))]
-                method = "exact" if run.single else "smc"
-                salts = [0] * len(props) if run.single else list(run.live)
-            else:
-                continue
-            for prop, salt in zip(props, salts):
-                prop.salt = salt
+                room -= budget
+                props, method = [Proposal(r, [], budget=budget)], "exact"
             out += props
-            room -= sum(prop.budget for prop in props)
             device.setdefault((r.spec, r.draft, method), []).extend(props)
         for (_, _, method), group in device.items():
             self._propose(group, method)
@@ -325,21 +323,15 @@ class SpecRunner:
         return reqs, pieces
 
     def _kept_by_particles(self, particles: list[tuple]) -> "_Cycle":
-        """One population's cycle, from its particles' judged rows (proposal, position):
-        each keeps its drafts up to `accepted` and `next`; the pages after are given back."""
-        kept, num_draft, log_p, log_q, agreement = [], [], [], [], []
-        for prop, position in particles:
-            judged, j = prop.judged, prop.slot
-            a = int(judged.accepted[j])
-            prop.request.seq.trim(position + a + 1)
-            self._count(prop.request, len(prop.drafts), a)
-            kept.append([*prop.drafts[:a], int(judged.next[j])])
-            num_draft.append(len(prop.drafts))
-            log_p.append(judged.log_p[j])
-            log_q.append(judged.log_q[j])
-            agreement.append(judged.agreement[j])
-        return _Cycle(kept, np.array(num_draft), np.array(log_p), np.array(log_q),
-                      np.array(agreement))
+        """One population's cycle, from its particles' judged rows (proposal, position),
+        all judged together."""
+        judged = particles[0][0].judged
+        slots = [prop.slot for prop, _ in particles]
+        kept = [self._settle(prop.request, prop.drafts, int(judged.accepted[prop.slot]),
+                             int(judged.next[prop.slot]), position)
+                for prop, position in particles]
+        return _Cycle(kept, np.array([len(prop.drafts) for prop, _ in particles]),
+                      judged.log_p[slots], judged.log_q[slots], judged.agreement[slots])
 
     def _judge(self, judged: "_Judged", verify: list[tuple], logits) -> None:
         """Acceptance (exact, or SMC's) of one device proposal's rows in the step's
@@ -357,11 +349,9 @@ class SpecRunner:
 
     def _keep(self, r, drafts: list[int], accepted: int, nxt: int, position: int,
               now: float) -> str:
-        """Keep a request's first `accepted` drafts and `nxt` after them; trim the pages
-        of the rest; returns the visible text."""
-        r.seq.trim(position + accepted + 1)
-        self._count(r, len(drafts), accepted)
-        piece, _ = _take(r, [*drafts[:accepted], nxt], now)
+        """Keep a request's first `accepted` drafts and `nxt` after them (see `_settle`);
+        returns the visible text."""
+        piece, _ = _take(r, self._settle(r, drafts, accepted, nxt, position), now)
         if r.finish_reason is not None:
             _summarize(r)
         return piece
@@ -451,6 +441,17 @@ class SmcRun:
     def key(self) -> tuple:
         """Populations with equal keys share a batched cycle."""
         return self.single, self.req.spec, self.req.draft
+
+    @property
+    def method(self) -> str:
+        """This cycle's: one particle is exact speculation, more are SMC."""
+        return "exact" if self.single else "smc"
+
+    @property
+    def salts(self) -> list[int]:
+        """Each live particle's salt this cycle: its index (one particle: 0, unsalted as
+        an exact request's)."""
+        return [0] * len(self.rows) if self.single else list(self.live)
 
     def prepare(self, runner: SpecRunner, free: int, max_rows: int | None = None) -> bool:
         """Before a cycle: N from `free` pages (none promised to other requests), resample
