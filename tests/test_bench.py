@@ -120,6 +120,23 @@ def test_random_weight_engine_path(tmp_path):
     assert list(result["targets"]) == ["tiny.roofline_fraction"]
 
 
+def test_prompt_length_sweep(tmp_path):
+    """`prompt_tokens` as a list (experiments/prefill_sweep.toml's form): each engine
+    measured at every length, figures and targets per length, on the tiny random model."""
+    config = tmp_path / "sweep.toml"
+    config.write_text(TINY_RANDOM.replace("prompt_tokens = 40", "prompt_tokens = [24, 72]")
+                      .replace("decode_tokens = 8", "decode_tokens = 3"))
+    result = run_bench(str(config), out_dir=str(tmp_path / "out"))
+    data = json.loads(Path(result["json_path"]).read_text())
+    assert [p["prompt_tokens"] for p in data["sweep"]] == [24, 72]
+    for point in data["sweep"]:
+        tiny = point["engines"]["tiny"]
+        assert tiny["completion_tokens"] == 3 and tiny["ttft_s"] > 0
+        assert tiny["roofline"]["mean_decode_context_tokens"] == point["prompt_tokens"] + 1.5
+    assert list(data["targets"]) == ["tiny.roofline_fraction@24", "tiny.roofline_fraction@72"]
+    assert data["all_targets_pass"] == all(t["pass"] for t in data["targets"].values())
+
+
 def test_engine_no_slower_compares_two_commits_side_by_side(tmp_path):
     """experiments/engine_no_slower.py --quick: the base commit (a worktree it adds and
     removes) and this checkout each run the engine-only bench once, on the same tokens."""
@@ -137,3 +154,19 @@ def test_engine_no_slower_compares_two_commits_side_by_side(tmp_path):
     worktrees = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True,
                                cwd=REPO).stdout
     assert "xlr-no-slower-" not in worktrees  # the base worktree is gone again
+
+
+def test_step_profile_summarizes_a_trace(tmp_path, tiny_models):
+    """experiments/profile_step.py on the tiny model: a traced chunk step, summed by op kind
+    (the matrix products among them), written where --out says."""
+    out = tmp_path / "profile.txt"
+    run = subprocess.run([sys.executable, str(REPO / "experiments/profile_step.py"),
+                          "--model", str(tiny_models.target), "--chunk", "16", "--start", "16",
+                          "--runs", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("# one 16-token chunk from position 16")
+    rows = [line.split() for line in lines[3:]]
+    assert rows and all(float(ms) >= 0 and int(n) > 0 for ms, _, n, _ in rows)
+    assert any(kind.startswith(("ynn_fusion", "dot")) for *_, kind in rows)

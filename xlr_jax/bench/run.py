@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import jax
+from tqdm.auto import tqdm
 
 from xlr_jax.bench.engines import RUNNERS, leading_agreement, measure, prompt_ids, roofline
 from xlr_jax.errors import XlrError
@@ -52,15 +53,14 @@ def run_bench(config_path: str, out_dir: str | None = None, quick: bool = False)
     kind = run.get("bandwidth", "read")
     bandwidth = measure_bandwidth(kind, run.get("bandwidth_gib", 1.0), run.get("bandwidth_runs", 10))
     gb_per_s = bandwidth[f"{kind}_bandwidth_gb_per_s"]
+    if isinstance(run["prompt_tokens"], list):
+        return _run_sweep(path, config, run, quick, started, t0, load_before, bandwidth, out_dir)
     engines, ids = {}, None
     for spec in engine_specs:
         runner = RUNNERS[spec["kind"]](spec)
         if ids is None or config["prompt"]["kind"] == "random":  # random ids follow the vocab
             ids = prompt_ids(config["prompt"], run["prompt_tokens"], runner)
-        figures = measure(runner, ids, run["decode_tokens"], run["repeats"], run.get("warmup", 1))
-        figures["roofline"] = roofline(runner, len(ids), run["decode_tokens"], gb_per_s,
-                                       figures["decode_tokens_per_s"])
-        engines[runner.label] = {"kind": runner.kind, **runner.info, **figures}
+        engines[runner.label] = _figures(runner, ids, run, gb_per_s)
         del runner  # one model in memory at a time
         gc.collect()
 
@@ -69,21 +69,60 @@ def run_bench(config_path: str, out_dir: str | None = None, quick: bool = False)
     result = {
         "config_path": str(path), "config": config, "quick": quick,
         "settings": {**run, "prompt_tokens": len(ids)},
+        **_common(started, t0, load_before, engine_specs, bandwidth),
+        "engines": engines, "targets": targets,
+        "all_targets_pass": all(t["pass"] for t in targets.values()),
+    }
+    return _write(result, path, out_dir, started, _table(result))
+
+
+def _figures(runner, ids: list[int], run: dict, gb_per_s: float) -> dict:
+    """One engine's timings on `ids`, with its decode roofline."""
+    figures = measure(runner, ids, run["decode_tokens"], run["repeats"], run.get("warmup", 1))
+    figures["roofline"] = roofline(runner, len(ids), run["decode_tokens"], gb_per_s,
+                                   figures["decode_tokens_per_s"])
+    return {"kind": runner.kind, **runner.info, **figures}
+
+
+def _common(started, t0, load_before, engine_specs, bandwidth) -> dict:
+    return {
         "started_utc": started.isoformat(), "wall_s": time.perf_counter() - t0,
         # other work on the machine skews every figure; well above 0 at start means it was busy
         "load_average_1m": {"start": load_before, "end": os.getloadavg()[0]},
         "environment": environment(any(s["kind"] == "transformers" for s in engine_specs)),
-        "git": git_state(),
-        "bandwidth": bandwidth, "engines": engines, "targets": targets,
-        "all_targets_pass": all(t["pass"] for t in targets.values()),
-    }
+        "git": git_state(), "bandwidth": bandwidth}
+
+
+def _write(result: dict, path: Path, out_dir, started, table: str) -> dict:
     out = Path(out_dir) if out_dir else path.parent / "results"
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / f"{path.stem}-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
-    print(_table(result))
+    print(table)
     print(f"results: {json_path}")
     return {**result, "json_path": str(json_path)}
+
+
+def _run_sweep(path, config, run, quick, started, t0, load_before, bandwidth, out_dir) -> dict:
+    """`prompt_tokens` a list: every engine is loaded once and they take turns at each
+    length (side by side, so a slower hour slows both); targets hold at every length."""
+    gb_per_s = bandwidth[f"{bandwidth['kind']}_bandwidth_gb_per_s"]
+    runners = [RUNNERS[spec["kind"]](spec) for spec in config["engines"]]
+    points, targets = [], {}
+    for n in tqdm(run["prompt_tokens"], desc="prompt lengths", unit="length"):
+        ids = prompt_ids(config["prompt"], n, runners[0])
+        engines = {r.label: _figures(r, ids, run, gb_per_s) for r in runners}
+        _compare_to_baseline(engines)
+        for name, t in _check_targets(config.get("targets", {}), engines).items():
+            targets[f"{name}@{len(ids)}"] = t
+        points.append({"prompt_tokens": len(ids), "engines": engines})
+    result = {
+        "config_path": str(path), "config": config, "quick": quick, "settings": run,
+        **_common(started, t0, load_before, config["engines"], bandwidth),
+        "sweep": points, "targets": targets,
+        "all_targets_pass": all(t["pass"] for t in targets.values()),
+    }
+    return _write(result, path, out_dir, started, _sweep_table(result))
 
 
 def _compare_to_baseline(engines: dict) -> None:
@@ -189,6 +228,23 @@ def _table(result: dict) -> str:
             lines.append(f"{label} vs transformers: decode x{v['decode_speedup_vs_transformers']:.2f}, "
                          f"TTFT ratio {v['ttft_ratio_vs_transformers']:.2f}, greedy agreement "
                          f"{v['greedy_agreement_tokens']}/{v['decoded_tokens']} tokens")
+    for name, t in result["targets"].items():
+        bound = f">= {t['min']}" if "min" in t else f"<= {t['max']}"
+        lines.append(f"target {name} {bound}: {t['value']:.3f} {'PASS' if t['pass'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def _sweep_table(result: dict) -> str:
+    labels = list(result["sweep"][0]["engines"])
+    lines = [f"{'prompt':>7}" + "".join(f"{label + ' ttft_s':>28}" for label in labels)
+             + f"{'ratio':>8}"]
+    for point in result["sweep"]:
+        engines = point["engines"]
+        ratios = [e["vs_transformers"]["ttft_ratio_vs_transformers"] for e in engines.values()
+                  if "vs_transformers" in e]
+        lines.append(f"{point['prompt_tokens']:>7}" + "".join(
+            f"{engines[label]['ttft_s']:>28.3f}" for label in labels)
+            + "".join(f"{r:>8.2f}" for r in ratios))
     for name, t in result["targets"].items():
         bound = f">= {t['min']}" if "min" in t else f"<= {t['max']}"
         lines.append(f"target {name} {bound}: {t['value']:.3f} {'PASS' if t['pass'] else 'FAIL'}")

@@ -1,0 +1,97 @@
+"""Where one prefill chunk's time goes: a jax.profiler trace of the ragged step, summarized.
+
+Loads a model (the embedded one by default) with its default plan, runs one chunk of `--chunk` random tokens
+from position `--start` (its attention reads every earlier page: the cache holds
+whatever the pages hold, which does not change the cost), warm, then traces one run
+and sums the XLA ops' time by kind (`ynn_fusion.12` and `ynn_fusion.40` are one kind:
+YNNPACK's matrix products and reductions). The text goes to stdout and, with --out,
+to a file, committed beside the benchmark JSON it explains.
+
+Run: python experiments/profile_step.py --start 3840 [--out experiments/results/X.txt]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from xlr_jax.api import load_model
+from xlr_jax.bench.run import git_state
+from xlr_jax.model.sampling import SamplingParams
+
+
+def summarize(trace_dir: str) -> list[tuple[str, int, float]]:
+    """(op kind, count, ms) of the XLA ops a trace holds, largest first. Ops run on the
+    CPU's compute threads; a `while` holds its body's ops, which are counted too."""
+    path = next(Path(trace_dir).rglob("*.xplane.pb"))
+    data = jax.profiler.ProfileData.from_file(str(path))
+    total, count = collections.Counter(), collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            if "Eigen" not in line.name:  # XLA:CPU's compute threads
+                continue
+            for event in line.events:
+                if event.name.startswith(("ThunkExecutor", "SlinkyThreadPool", "end:")):
+                    continue
+                kind = re.sub(r"\.\d+$", "", event.name)
+                total[kind] += event.duration_ns
+                count[kind] += 1
+    return [(kind, count[kind], ns / 1e6) for kind, ns in total.most_common()]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", help="a model name or path (see xlr models)")
+    p.add_argument("--start", type=int, default=3840, help="the chunk's first position")
+    p.add_argument("--chunk", type=int, default=256, help="chunk tokens (a chunk bucket)")
+    p.add_argument("--runs", type=int, default=5, help="timed runs before the traced one")
+    p.add_argument("--out", help="also write the summary to this file")
+    args = p.parse_args(argv)
+
+    model = load_model(args.model, prefix_cache=False)
+    engine = model.engine
+    steps, params, kv = engine.steps, engine.params, engine.kv
+    table = np.arange(1, steps.buckets.table_width + 1, dtype=np.int32) % kv.k.shape[1]
+    builder = steps.builder(0, args.chunk)
+    ids = np.random.default_rng(0).integers(0, engine.config.vocab_size, args.chunk)
+    builder.prefill(ids.tolist(), args.start, table, SamplingParams(), 0)
+    batch = builder.build()
+
+    times = []
+    for _ in range(args.runs + 1):  # the first compiles
+        t = time.perf_counter()
+        token, *_, kv = steps.step(params, kv, batch)
+        jax.block_until_ready(token)
+        times.append(time.perf_counter() - t)
+    with tempfile.TemporaryDirectory() as trace:
+        with jax.profiler.trace(trace):
+            token, *_, kv = steps.step(params, kv, batch)
+            jax.block_until_ready(token)
+        ops = summarize(trace)
+
+    ops_ms = sum(ms for kind, _, ms in ops if kind != "while")
+    lines = [f"# one {args.chunk}-token chunk from position {args.start}, {args.model}, "
+             f"{jax.default_backend()} plan; git {git_state()}",
+             f"# step wall time, median of {args.runs}: {statistics.median(times[1:]) * 1e3:.1f} ms;"
+             f" ops (over the compute threads, `while` not added): {ops_ms:.1f} ms",
+             f"{'ms':>10} {'share':>6} {'count':>6}  op kind"]
+    for kind, n, ms in ops[:20]:
+        lines.append(f"{ms:10.2f} {100 * ms / ops_ms:5.1f}% {n:6d}  {kind}")
+    text = "\n".join(lines) + "\n"
+    sys.stdout.write(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
