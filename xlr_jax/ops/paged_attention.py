@@ -202,7 +202,7 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
     each size's last piece reading up to a quarter of itself past the last seen page:
     few pieces, few pages over (14 pages: one of 16; 18: 16 + 1 + 1; 30: 16 + 16). A chunk's
     products outweigh a piece's cost: it walks the pages every query sees whole in
-    unmasked half blocks, then the rest in masked quarter blocks (two loop bodies).
+    unmasked half blocks (and a last quarter), then the diagonal in masked quarters.
     `block_tables` must be a whole number of blocks wide.
     One query per sequence (decode) reads the gathered pages as they lie, [batch, pages,
     kv heads, slots, dim]: its queries are repeated per page, so every product is
@@ -290,17 +290,20 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
             start = start + n * size
     else:
         quarter = quarter_block(pages_per_block)
-        # Pages before the lowest query are seen whole by every query: they go in
-        # unmasked pieces of two quarters (no mask to build and apply; larger products:
-        # a 4,096-token prompt's attention a quarter faster), the rest in masked
-        # quarters. Padding queries see what they please there and are zeroed below.
-        whole, full = min(2 * quarter, block_tables.shape[1]), 0
+        # Quarters before the lowest query are seen whole by every query: they go
+        # unmasked (no mask to build and apply), two at a time where they can (larger
+        # products: a 4,096-token prompt's attention a quarter faster); only the
+        # diagonal's quarters are masked. Padding queries see what they please in the
+        # unmasked ones and are zeroed below.
+        pair, full = min(2 * quarter, block_tables.shape[1]) // quarter, 0
         if sliding_window is None:
             lowest = jnp.min(jnp.where(valid, q_positions, jnp.iinfo(jnp.int32).max))
-            full = jnp.maximum(jnp.minimum(lowest + 1, jnp.min(lengths)) // (whole * page_size), 0)
-        carry = walk(0, full, 0, whole, carry, masked=False)
-        carry = walk(jnp.maximum(full * (whole // quarter), first_page // quarter),
-                     -(-seen_pages // quarter), 0, quarter, carry)
+            full = jnp.maximum(jnp.minimum(lowest + 1, jnp.min(lengths)), 0) // (
+                quarter * page_size)
+        carry = walk(0, full // pair, 0, pair * quarter, carry, masked=False)
+        carry = walk(full // pair * pair, full, 0, quarter, carry, masked=False)
+        carry = walk(jnp.maximum(full, first_page // quarter), -(-seen_pages // quarter),
+                     0, quarter, carry)
     _, total, acc = carry
     out = acc / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]
     if decode:
