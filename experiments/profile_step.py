@@ -30,16 +30,18 @@ from xlr_jax.model.sampling import SamplingParams
 
 def summarize(trace_dir: str) -> list[tuple[str, int, float]]:
     """(op kind, count, ms) of the XLA ops a trace holds, largest first. Ops run on the
-    CPU's compute threads; a `while` holds its body's ops, which are counted too."""
+    CPU's compute threads and on the client's (small ones, inline); a `while` holds its
+    body's ops, which are counted too."""
     path = next(Path(trace_dir).rglob("*.xplane.pb"))
     data = jax.profiler.ProfileData.from_file(str(path))
     total, count = collections.Counter(), collections.Counter()
     for plane in data.planes:
         for line in plane.lines:
-            if "Eigen" not in line.name:  # XLA:CPU's compute threads
+            if line.name == "python":  # the Python calls, not XLA's ops
                 continue
             for event in line.events:
-                if event.name.startswith(("ThunkExecutor", "SlinkyThreadPool", "end:")):
+                if event.name.startswith(("ThunkExecutor", "ThreadpoolListener",
+                                          "SlinkyThreadPool", "end:")):
                     continue
                 kind = re.sub(r"\.\d+$", "", event.name)
                 total[kind] += event.duration_ns
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
     lines = [f"# one {args.chunk}-token chunk from position {args.start}, {args.model}, "
              f"{jax.default_backend()} plan; git {git_state()}",
              f"# step wall time, median of {args.runs}: {statistics.median(times[1:]) * 1e3:.1f} ms;"
-             f" ops (over the compute threads, `while` not added): {ops_ms:.1f} ms",
+             f" ops (summed over XLA's threads, `while` not added): {ops_ms:.1f} ms",
              f"{'ms':>10} {'share':>6} {'count':>6}  op kind"]
     for kind, n, ms in ops[:20]:
         lines.append(f"{ms:10.2f} {100 * ms / ops_ms:5.1f}% {n:6d}  {kind}")

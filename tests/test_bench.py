@@ -169,4 +169,4 @@ def test_step_profile_summarizes_a_trace(tmp_path, tiny_models):
     assert lines[0].startswith("# one 16-token chunk from position 16")
     rows = [line.split() for line in lines[3:]]
     assert rows and all(float(ms) >= 0 and int(n) > 0 for ms, _, n, _ in rows)
-    assert any(kind.startswith(("ynn_fusion", "dot")) for *_, kind in rows)
+    assert any(kind.startswith(("ynn_fusion", "dot")) for *_, kind in rows), out.read_text()
