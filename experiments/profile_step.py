@@ -1,7 +1,7 @@
 """Where one prefill chunk's time goes: a jax.profiler trace of the ragged step, summarized.
 
-Loads a model (the embedded one by default) with its default plan, runs one chunk of `--chunk` random tokens
-from position `--start` (its attention reads every earlier page: the cache holds
+Loads a model (the embedded one by default) with its default plan, runs one chunk of
+`--chunk` random tokens from position `--start` (its attention reads every earlier page: the cache holds
 whatever the pages hold, which does not change the cost), warm, then traces one run
 and sums the XLA ops' time by kind (`ynn_fusion.12` and `ynn_fusion.40` are one kind:
 YNNPACK's matrix products and reductions). The text goes to stdout and, with --out,
@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     ops_ms = sum(ms for kind, _, ms in ops if kind != "while")
     lines = [f"# one {args.chunk}-token chunk from position {args.start}, {args.model}, "
              f"{jax.default_backend()} plan; git {git_state()}",
-             f"# step wall time, median of {args.runs}: {statistics.median(times[1:]) * 1e3:.1f} ms;"
+             f"# step wall time, median of {args.runs}: "
+             f"{statistics.median(times[1:]) * 1e3:.1f} ms;"
              f" ops (summed over XLA's threads, `while` not added): {ops_ms:.1f} ms",
              f"{'ms':>10} {'share':>6} {'count':>6}  op kind"]
     for kind, n, ms in ops[:20]:

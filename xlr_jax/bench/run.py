@@ -54,26 +54,40 @@ def run_bench(config_path: str, out_dir: str | None = None, quick: bool = False)
     bandwidth = measure_bandwidth(kind, run.get("bandwidth_gib", 1.0), run.get("bandwidth_runs", 10))
     gb_per_s = bandwidth[f"{kind}_bandwidth_gb_per_s"]
     if isinstance(run["prompt_tokens"], list):
-        return _run_sweep(path, config, run, quick, started, t0, load_before, bandwidth, out_dir)
+        figures, table = _sweep(config, run, gb_per_s), _sweep_table
+    else:
+        figures, table = _one_length(config, run, gb_per_s), _table
+    result = {
+        "config_path": str(path), "config": config, "quick": quick, **figures,
+        "started_utc": started.isoformat(), "wall_s": time.perf_counter() - t0,
+        # other work on the machine skews every figure; well above 0 at start means it was busy
+        "load_average_1m": {"start": load_before, "end": os.getloadavg()[0]},
+        "environment": environment(any(s["kind"] == "transformers" for s in engine_specs)),
+        "git": git_state(), "bandwidth": bandwidth,
+        "all_targets_pass": all(t["pass"] for t in figures["targets"].values()),
+    }
+    out = Path(out_dir) if out_dir else path.parent / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"{path.stem}-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    print(f"results: {json_path}")
+    return {**result, "json_path": str(json_path)}
+
+
+def _one_length(config: dict, run: dict, gb_per_s: float) -> dict:
+    """Each engine in turn on one prompt: settings, engines' figures, targets."""
     engines, ids = {}, None
-    for spec in engine_specs:
+    for spec in config["engines"]:
         runner = RUNNERS[spec["kind"]](spec)
         if ids is None or config["prompt"]["kind"] == "random":  # random ids follow the vocab
             ids = prompt_ids(config["prompt"], run["prompt_tokens"], runner)
         engines[runner.label] = _figures(runner, ids, run, gb_per_s)
         del runner  # one model in memory at a time
         gc.collect()
-
     _compare_to_baseline(engines)
-    targets = _check_targets(config.get("targets", {}), engines)
-    result = {
-        "config_path": str(path), "config": config, "quick": quick,
-        "settings": {**run, "prompt_tokens": len(ids)},
-        **_common(started, t0, load_before, engine_specs, bandwidth),
-        "engines": engines, "targets": targets,
-        "all_targets_pass": all(t["pass"] for t in targets.values()),
-    }
-    return _write(result, path, out_dir, started, _table(result))
+    return {"settings": {**run, "prompt_tokens": len(ids)}, "engines": engines,
+            "targets": _check_targets(config.get("targets", {}), engines)}
 
 
 def _figures(runner, ids: list[int], run: dict, gb_per_s: float) -> dict:
@@ -84,29 +98,9 @@ def _figures(runner, ids: list[int], run: dict, gb_per_s: float) -> dict:
     return {"kind": runner.kind, **runner.info, **figures}
 
 
-def _common(started, t0, load_before, engine_specs, bandwidth) -> dict:
-    return {
-        "started_utc": started.isoformat(), "wall_s": time.perf_counter() - t0,
-        # other work on the machine skews every figure; well above 0 at start means it was busy
-        "load_average_1m": {"start": load_before, "end": os.getloadavg()[0]},
-        "environment": environment(any(s["kind"] == "transformers" for s in engine_specs)),
-        "git": git_state(), "bandwidth": bandwidth}
-
-
-def _write(result: dict, path: Path, out_dir, started, table: str) -> dict:
-    out = Path(out_dir) if out_dir else path.parent / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    json_path = out / f"{path.stem}-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    print(table)
-    print(f"results: {json_path}")
-    return {**result, "json_path": str(json_path)}
-
-
-def _run_sweep(path, config, run, quick, started, t0, load_before, bandwidth, out_dir) -> dict:
+def _sweep(config: dict, run: dict, gb_per_s: float) -> dict:
     """`prompt_tokens` a list: every engine is loaded once and they take turns at each
     length (side by side, so a slower hour slows both); targets hold at every length."""
-    gb_per_s = bandwidth[f"{bandwidth['kind']}_bandwidth_gb_per_s"]
     runners = [RUNNERS[spec["kind"]](spec) for spec in config["engines"]]
     points, targets = [], {}
     for n in tqdm(run["prompt_tokens"], desc="prompt lengths", unit="length"):
@@ -116,13 +110,7 @@ def _run_sweep(path, config, run, quick, started, t0, load_before, bandwidth, ou
         for name, t in _check_targets(config.get("targets", {}), engines).items():
             targets[f"{name}@{len(ids)}"] = t
         points.append({"prompt_tokens": len(ids), "engines": engines})
-    result = {
-        "config_path": str(path), "config": config, "quick": quick, "settings": run,
-        **_common(started, t0, load_before, config["engines"], bandwidth),
-        "sweep": points, "targets": targets,
-        "all_targets_pass": all(t["pass"] for t in targets.values()),
-    }
-    return _write(result, path, out_dir, started, _sweep_table(result))
+    return {"settings": run, "sweep": points, "targets": targets}
 
 
 def _compare_to_baseline(engines: dict) -> None:
@@ -228,10 +216,15 @@ def _table(result: dict) -> str:
             lines.append(f"{label} vs transformers: decode x{v['decode_speedup_vs_transformers']:.2f}, "
                          f"TTFT ratio {v['ttft_ratio_vs_transformers']:.2f}, greedy agreement "
                          f"{v['greedy_agreement_tokens']}/{v['decoded_tokens']} tokens")
-    for name, t in result["targets"].items():
+    return "\n".join(lines + _target_lines(result["targets"]))
+
+
+def _target_lines(targets: dict) -> list[str]:
+    lines = []
+    for name, t in targets.items():
         bound = f">= {t['min']}" if "min" in t else f"<= {t['max']}"
         lines.append(f"target {name} {bound}: {t['value']:.3f} {'PASS' if t['pass'] else 'FAIL'}")
-    return "\n".join(lines)
+    return lines
 
 
 def _sweep_table(result: dict) -> str:
@@ -245,10 +238,7 @@ def _sweep_table(result: dict) -> str:
         lines.append(f"{point['prompt_tokens']:>7}" + "".join(
             f"{engines[label]['ttft_s']:>28.3f}" for label in labels)
             + "".join(f"{r:>8.2f}" for r in ratios))
-    for name, t in result["targets"].items():
-        bound = f">= {t['min']}" if "min" in t else f"<= {t['max']}"
-        lines.append(f"target {name} {bound}: {t['value']:.3f} {'PASS' if t['pass'] else 'FAIL'}")
-    return "\n".join(lines)
+    return "\n".join(lines + _target_lines(result["targets"]))
 
 
 def add_cli(subparsers) -> None:

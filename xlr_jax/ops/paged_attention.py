@@ -293,8 +293,8 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
         # Quarters before the lowest query are seen whole by every query: they go
         # unmasked (no mask to build and apply), two at a time where they can (larger
         # products): a chunk's attention 10-15% faster at positions 1,024-7,680,
-        # measured. Only the quarters the diagonal crosses are masked. Padding queries see what they please in the
-        # unmasked ones and are zeroed below.
+        # measured. Only the quarters the diagonal crosses are masked. Padding queries
+        # see what they please in the unmasked ones and are zeroed below.
         pair, full = min(2 * quarter, block_tables.shape[1]) // quarter, 0
         if sliding_window is None:
             lowest = jnp.min(jnp.where(valid, q_positions, jnp.iinfo(jnp.int32).max))
