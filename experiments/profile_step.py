@@ -1,13 +1,16 @@
-"""Where one prefill chunk's time goes: a jax.profiler trace of the ragged step, summarized.
+"""Where one step's time goes: a jax.profiler trace of the ragged step, summarized.
 
-Loads a model (the embedded one by default) with its default plan, runs one chunk of
-`--chunk` random tokens from position `--start` (its attention reads every earlier page: the cache holds
-whatever the pages hold, which does not change the cost), warm, then traces one run
-and sums the XLA ops' time by kind (`ynn_fusion.12` and `ynn_fusion.40` are one kind:
-YNNPACK's matrix products and reductions). The text goes to stdout and, with --out,
-to a file, committed beside the benchmark JSON it explains.
+Loads a model (the embedded one by default) with its default plan and runs one chunk
+of `--chunk` random tokens from position `--start` (its attention reads every earlier
+page: the cache holds whatever the pages hold, which does not change the cost), or with
+`--rows N --chunk 0` N decode rows at position `--start`, each on pages of its own. It
+runs the step warm, then traces one run and sums the XLA ops' time by kind
+(`ynn_fusion.12` and `ynn_fusion.40` are one kind: YNNPACK's matrix products and
+reductions). The text goes to stdout and, with --out, to a file, committed beside the
+benchmark JSON it explains.
 
 Run: python experiments/profile_step.py --start 3840 [--out experiments/results/X.txt]
+     python experiments/profile_step.py --rows 8 --chunk 0 --start 576
 """
 from __future__ import annotations
 
@@ -53,7 +56,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="a model name or path (see xlr models)")
     p.add_argument("--start", type=int, default=3840, help="the chunk's first position")
-    p.add_argument("--chunk", type=int, default=256, help="chunk tokens (a chunk bucket)")
+    p.add_argument("--chunk", type=int, default=256,
+                   help="chunk tokens (a chunk bucket; 0: none)")
+    p.add_argument("--rows", type=int, default=0, help="decode rows (a batch bucket)")
     p.add_argument("--runs", type=int, default=5, help="timed runs before the traced one")
     p.add_argument("--out", help="also write the summary to this file")
     args = p.parse_args(argv)
@@ -61,10 +66,19 @@ def main(argv=None) -> int:
     model = load_model(args.model, prefix_cache=False)
     engine = model.engine
     steps, params, kv = engine.steps, engine.params, engine.kv
-    table = np.arange(1, steps.buckets.table_width + 1, dtype=np.int32) % kv.k.shape[1]
-    builder = steps.builder(0, args.chunk)
-    ids = np.random.default_rng(0).integers(0, engine.config.vocab_size, args.chunk)
-    builder.prefill(ids.tolist(), args.start, table, SamplingParams(), 0)
+    width, pages = steps.buckets.table_width, kv.k.shape[1]
+    seen = -(-(args.start + 1) // kv.page_size)  # the pages a row at `start` reads
+    # row j's table: its own run of pages after row j - 1's (page 0 is the scratch page)
+    tables = [(np.arange(width, dtype=np.int32) + j * seen) % (pages - 1) + 1
+              for j in range(args.rows + 1)]
+    builder = steps.builder(args.rows, args.chunk)
+    rng = np.random.default_rng(0)
+    for j in range(args.rows):
+        builder.decode(int(rng.integers(engine.config.vocab_size)), args.start, tables[j],
+                       SamplingParams(), 0)
+    if args.chunk:
+        ids = rng.integers(0, engine.config.vocab_size, args.chunk)
+        builder.prefill(ids.tolist(), args.start, tables[-1], SamplingParams(), 0)
     batch = builder.build()
 
     times = []
@@ -80,7 +94,9 @@ def main(argv=None) -> int:
         ops = summarize(trace)
 
     ops_ms = sum(ms for kind, _, ms in ops if kind != "while")
-    lines = [f"# one {args.chunk}-token chunk from position {args.start}, {args.model}, "
+    what = " and ".join(([f"{args.rows} decode rows at"] if args.rows else [])
+                        + ([f"a {args.chunk}-token chunk from"] if args.chunk else []))
+    lines = [f"# {what} position {args.start}, {args.model}, "
              f"{jax.default_backend()} plan; git {git_state()}",
              f"# step wall time, median of {args.runs}: "
              f"{statistics.median(times[1:]) * 1e3:.1f} ms;"

@@ -137,6 +137,58 @@ def test_prompt_length_sweep(tmp_path):
     assert data["all_targets_pass"] == all(t["pass"] for t in data["targets"].values())
 
 
+BATCHING = """
+[run]
+prompt_tokens = 40
+decode_tokens = 6
+streams = [3, 1]
+repeats = 2
+warmup = 2
+bandwidth = "copy"
+bandwidth_gib = 0.0625
+bandwidth_runs = 2
+[prompt]
+kind = "random"
+[[engines]]
+kind = "xlr"
+label = "tiny"
+model = "{model}"
+prefix_cache = true
+[targets]
+batching_speedup_min = 1.0
+"""
+
+
+def test_streams_measure_batched_decode(tmp_path, tiny_models):
+    """`streams` (experiments/batching.toml's form): each count of concurrent streams timed
+    in interleaved rounds on the tiny model, and the speedup of the most over one."""
+    config = tmp_path / "batching.toml"
+    config.write_text(BATCHING.format(model=tiny_models.target))
+    result = run_bench(str(config), out_dir=str(tmp_path / "out"))
+    tiny = json.loads(Path(result["json_path"]).read_text())["engines"]["tiny"]
+    assert tiny["prefix_cache"] is True and set(tiny["streams"]) == {"1", "3"}
+    for count, figures in tiny["streams"].items():
+        assert len(figures["decode_tokens_per_s_runs"]) == 2
+        assert figures["tokens_identical_across_runs"]
+        # each stream's own span is within the whole span: the sum of speeds bounds it
+        assert 0 < figures["span_tokens_per_s"] <= figures["decode_tokens_per_s"] * (1 + 1e-9)
+    streams = tiny["streams"]
+    assert tiny["batching_speedup"] == pytest.approx(
+        streams["3"]["decode_tokens_per_s"] / streams["1"]["decode_tokens_per_s"])
+    assert list(result["targets"]) == ["tiny.batching_speedup"]
+    assert result["targets"]["tiny.batching_speedup"]["value"] == tiny["batching_speedup"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (("streams = [3, 1]", "streams = [2, 4]"), "including 1"),
+    (('kind = "xlr"', 'kind = "transformers"'), "xlr engines only")])
+def test_streams_config_errors_name_the_fix(tmp_path, change, message):
+    config = tmp_path / "bad.toml"
+    config.write_text(BATCHING.format(model="smollm2").replace(*change))
+    with pytest.raises(bench.BenchError, match=message):
+        run_bench(str(config), out_dir=str(tmp_path / "out"))
+
+
 def test_engine_no_slower_compares_two_commits_side_by_side(tmp_path):
     """experiments/engine_no_slower.py --quick: the base commit (a worktree it adds and
     removes) and this checkout each run the engine-only bench once, on the same tokens."""
@@ -156,17 +208,20 @@ def test_engine_no_slower_compares_two_commits_side_by_side(tmp_path):
     assert "xlr-no-slower-" not in worktrees  # the base worktree is gone again
 
 
-def test_step_profile_summarizes_a_trace(tmp_path, tiny_models):
-    """experiments/profile_step.py on the tiny model: a traced chunk step, summed by op kind
-    (the matrix products among them), written where --out says."""
+@pytest.mark.parametrize("shape, header", [
+    (["--chunk", "16"], "# a 16-token chunk from position 16"),
+    (["--rows", "3", "--chunk", "0"], "# 3 decode rows at position 16")])
+def test_step_profile_summarizes_a_trace(tmp_path, tiny_models, shape, header):
+    """experiments/profile_step.py on the tiny model: a traced chunk step or decode step,
+    summed by op kind (the matrix products among them), written where --out says."""
     out = tmp_path / "profile.txt"
     run = subprocess.run([sys.executable, str(REPO / "experiments/profile_step.py"),
-                          "--model", str(tiny_models.target), "--chunk", "16", "--start", "16",
+                          "--model", str(tiny_models.target), *shape, "--start", "16",
                           "--runs", "1", "--out", str(out)],
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = out.read_text().splitlines()
-    assert lines[0].startswith("# one 16-token chunk from position 16")
+    assert lines[0].startswith(header)
     rows = [line.split() for line in lines[3:]]
     assert rows and all(float(ms) >= 0 and int(n) > 0 for ms, _, n, _ in rows)
     assert any(kind.startswith(("ynn_fusion", "dot")) for *_, kind in rows), out.read_text()

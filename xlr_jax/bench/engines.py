@@ -28,6 +28,12 @@ class Run(NamedTuple):
     decode_tokens_per_s: float
 
 
+class StreamsRun(NamedTuple):
+    decode_tokens_per_s: float  # the sum of each stream's own decode speed
+    span_tokens_per_s: float    # every stream's tokens after its first / the whole span
+    tokens: list[list[int]]
+
+
 class XlrRunner:
     """An xlr-jax `Engine`, greedy with EOS ignored so every run decodes exactly n tokens."""
 
@@ -52,6 +58,17 @@ class XlrRunner:
         params = SamplingParams(max_tokens=n, ignore_eos=True)
         done = next(d for _, _, d in self.engine.run([ids], [params]) if d is not None)
         return Run(done.token_ids, done.metrics["ttft_s"], done.metrics["decode_tokens_per_s"])
+
+    def generate_streams(self, prompts: list[list[int]], n: int) -> StreamsRun:
+        """All `prompts` at once, n tokens each (continuously batched)."""
+        params = [SamplingParams(max_tokens=n, ignore_eos=True)] * len(prompts)
+        done = [d for _, _, d in self.engine.run(prompts, params) if d is not None]
+        # every request's clock starts when run() queues them all: one time origin
+        span = (max(d.metrics["total_s"] for d in done)
+                - min(d.metrics["ttft_s"] for d in done))
+        return StreamsRun(sum(d.metrics["decode_tokens_per_s"] for d in done),
+                          sum(len(d.token_ids) - 1 for d in done) / span,
+                          [d.token_ids for d in done])
 
 
 def load_xlr(spec: dict) -> XlrRunner:
@@ -198,6 +215,35 @@ def measure(runner, ids: list[int], n: int, repeats: int, warmup: int) -> dict:
         "tokens_identical_across_runs": all(r.tokens == runs[0].tokens for r in runs + warm),
         "token_ids": runs[0].tokens,
     }
+
+
+def measure_streams(runner, prompts: list[list[int]], n: int, counts: list[int], repeats: int,
+                    warmup: int) -> dict:
+    """Aggregate decode speed of 1, ..., max(counts) concurrent streams (the first `count`
+    prompts each time), median over `repeats` runs after `warmup` runs of each count;
+    `batching_speedup` = the most streams' aggregate over one stream's."""
+    runs: dict[int, list[StreamsRun]] = {}
+    for count in counts:
+        for _ in range(warmup):
+            runner.generate_streams(prompts[:count], n)
+    for _ in tqdm(range(repeats), desc=runner.label, unit="round"):
+        for count in counts:  # interleaved: a slower minute slows every count alike
+            runs.setdefault(count, []).append(runner.generate_streams(prompts[:count], n))
+    streams = {str(count): {
+        "decode_tokens_per_s": statistics.median(r.decode_tokens_per_s for r in rs),
+        "decode_tokens_per_s_runs": [r.decode_tokens_per_s for r in rs],
+        "span_tokens_per_s": statistics.median(r.span_tokens_per_s for r in rs),
+        "tokens_identical_across_runs": all(r.tokens == rs[0].tokens for r in rs),
+    } for count, rs in runs.items()}
+    return {"method": "all prompts submitted at once; decode_tokens_per_s = the sum over "
+                      "streams of (n - 1) / (its last token - its first token): the streams' "
+                      "aggregate while they decode side by side (a stream's span also holds "
+                      "the steps that prefilled later streams, so it is low, if anything); "
+                      "span_tokens_per_s = all streams' n - 1 tokens / (the last token of "
+                      "any - the first token of any), prefill steps included",
+            "streams": streams,
+            "batching_speedup": (streams[str(max(counts))]["decode_tokens_per_s"]
+                                 / streams[str(min(counts))]["decode_tokens_per_s"])}
 
 
 def roofline(runner, prompt_tokens: int, decode_tokens: int, bandwidth_gb_per_s: float,

@@ -22,7 +22,8 @@ from pathlib import Path
 import jax
 from tqdm.auto import tqdm
 
-from xlr_jax.bench.engines import RUNNERS, leading_agreement, measure, prompt_ids, roofline
+from xlr_jax.bench.engines import (RUNNERS, leading_agreement, measure, measure_streams,
+                                   prompt_ids, roofline)
 from xlr_jax.errors import XlrError
 from xlr_jax.planning.hardware import cpu_name, measure_bandwidth
 
@@ -53,7 +54,9 @@ def run_bench(config_path: str, out_dir: str | None = None, quick: bool = False)
     kind = run.get("bandwidth", "read")
     bandwidth = measure_bandwidth(kind, run.get("bandwidth_gib", 1.0), run.get("bandwidth_runs", 10))
     gb_per_s = bandwidth[f"{kind}_bandwidth_gb_per_s"]
-    if isinstance(run["prompt_tokens"], list):
+    if "streams" in run:
+        figures, table = _batching(config, run), _batching_table
+    elif isinstance(run["prompt_tokens"], list):
         figures, table = _sweep(config, run, gb_per_s), _sweep_table
     else:
         figures, table = _one_length(config, run, gb_per_s), _table
@@ -113,6 +116,32 @@ def _sweep(config: dict, run: dict, gb_per_s: float) -> dict:
     return {"settings": run, "sweep": points, "targets": targets}
 
 
+def _batching(config: dict, run: dict) -> dict:
+    """`streams` (a list of stream counts, 1 among them): each xlr engine decodes that many
+    different prompts at once; targets hold on its aggregate speedup over one stream."""
+    counts = run["streams"]
+    if not (isinstance(counts, list) and 1 in counts
+            and all(isinstance(c, int) and c > 0 for c in counts)):
+        raise BenchError(f"[run] streams must list positive stream counts including 1, "
+                         f"e.g. streams = [1, 8] (got {counts!r})")
+    engines = {}
+    for spec in config["engines"]:
+        if not spec["kind"].startswith("xlr"):
+            raise BenchError(f"streams measure xlr engines only; remove the {spec['kind']} "
+                             f"engine or the streams setting")
+        runner = RUNNERS[spec["kind"]](spec)
+        # stream i's prompt: the prompt spec with seed + i (a different shuffle or draw)
+        prompts = [prompt_ids({**config["prompt"], "seed": config["prompt"].get("seed", 0) + i},
+                              run["prompt_tokens"], runner) for i in range(max(counts))]
+        engines[runner.label] = {"kind": runner.kind, **runner.info, **measure_streams(
+            runner, prompts, run["decode_tokens"], sorted(counts), run["repeats"],
+            run.get("warmup", 1))}
+        del runner
+        gc.collect()
+    return {"settings": run, "engines": engines,
+            "targets": _check_targets(config.get("targets", {}), engines)}
+
+
 def _compare_to_baseline(engines: dict) -> None:
     """Add speed ratios and greedy agreement against the transformers engine of the same model."""
     base = next((e for e in engines.values() if e["kind"] == "transformers"), None)
@@ -135,7 +164,10 @@ def _check_targets(targets: dict, engines: dict) -> dict:
     for label, e in engines.items():
         if e["kind"] == "transformers" or not e.get("check_targets", True):
             continue
-        figures = {"roofline_fraction": e["roofline"]["roofline_fraction"],
+        figures = {**({"roofline_fraction": e["roofline"]["roofline_fraction"]}
+                      if "roofline" in e else {}),
+                   **({"batching_speedup": e["batching_speedup"]}
+                      if "batching_speedup" in e else {}),
                    **e.get("vs_transformers", {})}
         for key, bound in targets.items():
             name, _, side = key.rpartition("_")
@@ -238,6 +270,17 @@ def _sweep_table(result: dict) -> str:
         lines.append(f"{point['prompt_tokens']:>7}" + "".join(
             f"{engines[label]['ttft_s']:>28.3f}" for label in labels)
             + "".join(f"{r:>8.2f}" for r in ratios))
+    return "\n".join(lines + _target_lines(result["targets"]))
+
+
+def _batching_table(result: dict) -> str:
+    counts = sorted(result["settings"]["streams"])
+    lines = [f"{'engine':<22}" + "".join(f"{f'{c} streams tok/s':>18}" for c in counts)
+             + f"{'speedup':>9}"]
+    for label, e in result["engines"].items():
+        lines.append(f"{label:<22}" + "".join(
+            f"{e['streams'][str(c)]['decode_tokens_per_s']:>18.1f}" for c in counts)
+            + f"{e['batching_speedup']:>9.2f}")
     return "\n".join(lines + _target_lines(result["targets"]))
 
 
