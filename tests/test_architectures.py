@@ -30,7 +30,7 @@ from xlr_jax.model.config import RopeScaling
 from xlr_jax.model.decoder import params_from_arrays
 from xlr_jax.model.sampling import SamplingParams
 from xlr_jax.model.steps import Steps
-from xlr_jax.planning.mapper import Buckets
+from xlr_jax.planning.mapper import REDUCE_ROWS, Buckets
 from xlr_jax.runtime.engine import Engine
 
 # Relative error max|xlr - hf| / max|hf|. Both sides run in float32 and differ only in summation
@@ -245,8 +245,10 @@ class Paged:
         loaded = load_weights(path, cache_dir=None)
         self.config = loaded.config
         self.params = params_from_arrays(loaded.params).per_layer()
+        # the CPU plan's products: up to 16 rows as multiply-sums, more as dots
         self.steps = Steps(self.config, Buckets(batch=(1, 2, 4), chunk=(16, 32, 64),
-                                                pages=(WIDTH,), attn_block=2))
+                                                pages=(WIDTH,), attn_block=2,
+                                                reduce_rows=REDUCE_ROWS))
         self.hf = hf
         self.ids = random_ids(11, SEQ_LEN)
 
@@ -383,6 +385,22 @@ def test_a_ragged_step_is_its_rows_alone(paged, one_shot):
     for j, pos in enumerate(decode_at):
         assert rel_err(logits[j], ref[pos]) < TOL, f"decode row at {pos}"
     assert rel_err(logits[4], ref[29]) < TOL, "the chunk's last token"
+
+
+def test_a_few_decode_rows_are_each_row_alone(paged, one_shot):
+    """A step of decode rows alone (3, padded to 4: its products are multiply-sums, see
+    Buckets.reduce_rows): each row's logits and token are what it gets alone."""
+    ref, kv = one_shot
+    table = paged.table(range(1, 8))
+    decode_at = [60, 99, 31]
+    build = paged.steps.builder(len(decode_at), 0)
+    for pos in decode_at:
+        build.decode(int(paged.ids[pos]), pos, table, SamplingParams(), 0)
+    kv = jax.tree.map(jax.numpy.copy, kv)
+    tokens, logits, _, _ = paged.steps.step(paged.params, kv, build.build())
+    for j, pos in enumerate(decode_at):
+        assert rel_err(np.asarray(logits)[j], ref[pos]) < TOL, f"decode row at {pos}"
+        assert int(tokens[j]) == ref[pos].argmax()
 
 
 def test_padding_past_the_window_stays_harmless(zoo):

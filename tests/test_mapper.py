@@ -143,10 +143,15 @@ def test_plans_fit_and_pick_backend_choices(smollm2, name):
         gpu = hw.backend == "gpu"
         assert p.compute_dtype == ("bfloat16" if gpu else "float32")
         assert p.attn_impl == ("pallas" if gpu else "xla")
+        # a few rows' products: multiply-sums on XLA:CPU, dots on the GPU
+        assert p.reduce_rows == (0 if gpu else 16) == p.buckets.reduce_rows
         assert p.kv_dtype == p.compute_dtype
-        assert set(p.reasons) >= {"compute_dtype", "page_size", "num_pages", "attn_impl"}
+        assert set(p.reasons) >= {"compute_dtype", "page_size", "num_pages", "attn_impl",
+                                  "reduce_rows"}
         assert ExecutionPlan.from_json(p.to_json()) == p
         assert json.loads(p.to_json())["reasons"] == p.reasons
+        older = {k: v for k, v in json.loads(p.to_json()).items() if k != "reduce_rows"}
+        assert ExecutionPlan.from_json(json.dumps(older)).reduce_rows == 0  # every one a dot
 
 
 def test_bigger_gpus_get_more_pages():

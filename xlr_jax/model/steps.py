@@ -27,13 +27,13 @@ from xlr_jax.runtime.step_batch import StepBatch, StepBuilder
 
 
 def _step(params: Params, kv: PagedKV, batch: StepBatch, *, config: ModelConfig,
-          attn_impl: str, pages_per_block: int):
+          attn_impl: str, pages_per_block: int, reduce_rows: int):
     """One ragged step (see step_batch): a token per row, each row paying only for its
     own sampler; the rows' logits; and their log-probabilities where asked (see
     sampling.row_logprobs)."""
     hidden, kv = forward_step(params, kv, batch, config=config, attn_impl=attn_impl,
-                              pages_per_block=pages_per_block)
-    logits = lm_head(params, hidden)
+                              pages_per_block=pages_per_block, reduce_rows=reduce_rows)
+    logits = lm_head(params, hidden, reduce_rows)
     tokens = sample_rows(logits + batch.bias, batch.sampling)
     return tokens, logits, row_logprobs(logits, tokens, batch.sampling), kv
 
@@ -72,7 +72,8 @@ class Steps:
         self.compiler_options = compiler_options or {}
         # the step is lowered and compiled per instance, ahead of time (`_executable`)
         self._step = jax.jit(partial(_step, pages_per_block=buckets.attn_block,
-                                     config=config, attn_impl=attn_impl),
+                                     reduce_rows=buckets.reduce_rows, config=config,
+                                     attn_impl=attn_impl),
                              donate_argnames="kv", compiler_options=compiler_options or None)
         self._all_logits = _jitted_all_logits(config, attn_impl,
                                               tuple(sorted(self.compiler_options.items())))

@@ -34,6 +34,7 @@ WAITING_PER_SLOT = 32      # default max_waiting per max_batch slot
 MAX_PREEMPTIONS = 2        # a request preempted this often is protected: it runs to the end
 MAX_PINNED_SHARE = 0.5     # stable tiers pinning more of the pool unpin LRU-first
 ATTN_BLOCK_PAGES = 16      # XLA attention's largest piece of a row's pages
+REDUCE_ROWS = 16           # XLA:CPU: products of up to this many rows as multiply-sums
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class ExecutionPlan:
     chunk_buckets: tuple[int, ...]
     page_buckets: tuple[int, ...]
     attn_block_pages: int          # pages the XLA attention reads at a time
+    reduce_rows: int               # a step's products of 2..this many rows: multiply-sum
     attn_impl: str
     speculative: SpeculativePolicy
     memory: MemoryBudget
@@ -95,7 +97,7 @@ class ExecutionPlan:
     @property
     def buckets(self) -> Buckets:
         return Buckets(self.batch_buckets, self.chunk_buckets, self.page_buckets,
-                       self.attn_block_pages)
+                       self.attn_block_pages, self.reduce_rows)
 
     def particles_for(self, free_pages: int, context_len: int, gamma: int | None = None) -> int:
         return particles_for(free_pages, context_len,
@@ -121,6 +123,7 @@ class ExecutionPlan:
         raw.setdefault("max_pinned_share", MAX_PINNED_SHARE)
         raw.setdefault("max_step_tokens", raw["max_batch"] + raw["prefill_chunk"])
         raw.setdefault("attn_block_pages", ATTN_BLOCK_PAGES)
+        raw.setdefault("reduce_rows", 0)  # older plans: every product a dot
         return cls(**raw)
 
 
@@ -154,6 +157,9 @@ class Buckets:
     chunk: tuple[int, ...]   # prefill chunk lengths; the last is the chunk size
     pages: tuple[int, ...]   # block-table widths of speculative cycles and scoring
     attn_block: int = ATTN_BLOCK_PAGES  # pages the ragged step's attention reads at a time
+    # a step's weight products of 2..reduce_rows rows are a multiply and a sum, not a dot
+    # (0: always a dot): XLA:CPU's dot of 2-8 rows costs 2-3x a matrix-vector product's
+    reduce_rows: int = 0
 
     @property
     def table_width(self) -> int:
@@ -164,9 +170,10 @@ class Buckets:
 def buckets_for(max_batch: int, prefill_chunk: int, max_pages: int, dense: bool) -> Buckets:
     """The buckets of a plan's sizes: decode rows, a power of two up to max_batch; chunks,
     a power of two from 16 to prefill_chunk; block-table widths up to `max_pages` (see
-    `page_width_buckets`)."""
+    `page_width_buckets`). Dense (CPU) plans also take a step's products of up to 16
+    rows as multiply-sums (Buckets.reduce_rows)."""
     return Buckets(powers_of_two_upto(max_batch), powers_of_two_upto(prefill_chunk, start=16),
-                   page_width_buckets(max_pages, dense))
+                   page_width_buckets(max_pages, dense), reduce_rows=REDUCE_ROWS if dense else 0)
 
 
 def page_width_buckets(max_pages: int, dense: bool) -> tuple[int, ...]:
@@ -319,6 +326,12 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                       "Speculative cycles and scoring keep block-table widths: "
                       + ("every 2 pages to 32, then ~1.25x (XLA reads the whole width)"
                          if not gpu else "powers of two (the kernel skips unseen pages)"))
+    why["reduce_rows"] = (
+        f"a step's weight products of 2 to {buckets.reduce_rows} rows are a multiply and a "
+        "sum over the input: each weight row is read once for every row, where XLA:CPU's "
+        "dot of 2-8 rows costs 2-3x a matrix-vector product (an 8-row decode step 0.66-0.76x "
+        "the time, measured)" if buckets.reduce_rows else
+        "every product a dot: the GPU's matrix units take a few rows at matrix-vector cost")
     step_tokens = batch + chunk
     why["max_step_tokens"] = ("every decode row and one full prefill chunk: a long prompt "
                               "adds at most one chunk to the running streams' step")
@@ -345,7 +358,8 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         prefill_chunk=chunk, max_step_tokens=step_tokens, max_waiting=waiting, max_preemptions=MAX_PREEMPTIONS,
         max_pinned_share=MAX_PINNED_SHARE, batch_buckets=buckets.batch,
         chunk_buckets=buckets.chunk, page_buckets=buckets.pages,
-        attn_block_pages=buckets.attn_block, attn_impl=impl, speculative=spec, memory=memory,
+        attn_block_pages=buckets.attn_block, reduce_rows=buckets.reduce_rows, attn_impl=impl,
+        speculative=spec, memory=memory,
         compiler_options=xla, reasons=why)
 
 
