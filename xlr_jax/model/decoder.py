@@ -117,17 +117,17 @@ def rms_norm(x, weight, eps):
     return (x32 * weight).astype(x.dtype)
 
 
-def _linear(x, w, reduce_rows: int = 0):
-    """x [..., d] @ w.T for w [out, d]. With 2..`reduce_rows` rows in x, a multiply and a
-    sum over d instead of a dot: XLA:CPU's dot of a few rows costs 2-3x a matrix-vector
-    product's, the sum 1.3-1.9x (see Buckets.reduce_rows)."""
+def _linear(x, w, reduce_rows: int = 0, out_dtype=None):
+    """x [..., d] @ w.T for w [out, d], in `out_dtype` (default x's). With 2..`reduce_rows`
+    rows in x, a multiply and a sum over d instead of a dot: XLA:CPU's dot of a few rows
+    costs 2-3x a matrix-vector product's, the sum 1.3-1.9x (see Buckets.reduce_rows)."""
     rows = int(np.prod(x.shape[:-1]))
     if not 2 <= rows <= reduce_rows:
-        return jnp.einsum("...d,od->...o", x, w)
+        return jnp.einsum("...d,od->...o", x, w, preferred_element_type=out_dtype)
     f32 = jnp.float32  # summed in f32 whatever the weights' dtype, as a dot accumulates
     out = jnp.sum(w[:, :, None].astype(f32) * x.reshape(rows, -1).T[None].astype(f32),
                   axis=1)  # [out, rows]: each weight row is read once for every row of x
-    return out.T.reshape(*x.shape[:-1], w.shape[0]).astype(x.dtype)
+    return out.T.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype or x.dtype)
 
 
 def _layers(layers):
@@ -253,7 +253,4 @@ def forward_step(params: Params, kv: PagedKV, batch: StepBatch, *, config: Model
 def lm_head(params: Params, hidden, reduce_rows: int = 0):
     """Logits in f32 for hidden states [..., d] (`reduce_rows`: see `_linear`)."""
     w = params.embed if params.lm_head is None else params.lm_head
-    rows = int(np.prod(hidden.shape[:-1]))
-    if 2 <= rows <= reduce_rows:
-        return _linear(hidden.astype(jnp.float32), w, reduce_rows)
-    return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+    return _linear(hidden, w, reduce_rows, jnp.float32)
