@@ -25,7 +25,7 @@ against plain sampling's on the same prompts (target: within 10%) and the answer
 repeat a 2-token pattern more than 5 times where plain sampling does not (target: none).
 
 Writes experiments/results/speculative_decoding-<UTC time>.json and .png.
-Run: python experiments/speculative_decoding.py [CONFIG] [--quick] [--out DIR]
+Run: python experiments/speculative_decoding.py [CONFIG] [--quick] [--out DIR] [--cache-dir DIR]
 """
 from __future__ import annotations
 
@@ -219,14 +219,16 @@ def max_pair_repeats(tokens: list[int]) -> int:
     return best
 
 
-def smc_quality(q: dict) -> dict:
+def smc_quality(q: dict, cache_dir: str | None) -> dict:
     """Plain sampling against SMC-SD per draft, fallback on and forced, on q's prompts and
     seeds (the answers of one prompt and seed are compared with each other)."""
     import tempfile
 
     import xlr_jax
 
-    model = xlr_jax.load_model("smollm2", dtype="float32", max_batch=max(*q["particles"], 2))
+    # at least the CPU plan's 8 rows: the plan, hence its compiled steps, of the speed grid
+    model = xlr_jax.load_model("smollm2", dtype="float32", max_batch=max(*q["particles"], 8),
+                               cache_dir=cache_dir)
     prompts = [model.tokenizer.encode(model.chat_prompt([{"role": "user", "content": p}]))
                for p in q["prompts"]]
     runs = [(ids, seed) for ids in prompts for seed in q["seeds"]]
@@ -289,14 +291,16 @@ def summarize_quality(plain: list[dict], answers: list[dict], q: dict) -> dict:
             "pass": abs(ratio - 1) <= q["ll_tolerance"] and new == 0}
 
 
-def measure_workload(config: dict, run: dict, grid: dict, name: str) -> dict:
+def measure_workload(config: dict, run: dict, grid: dict, name: str,
+                     cache_dir: str | None) -> dict:
     """Every method of the grid on one workload, in this process (see main). Drafts
     "truncated:K" and "noisy:S" are separate models built here (see build_draft)."""
     import tempfile
 
     import xlr_jax
 
-    model = xlr_jax.load_model("smollm2", dtype="float32", max_batch=run["max_batch"])
+    model = xlr_jax.load_model("smollm2", dtype="float32", max_batch=run["max_batch"],
+                               cache_dir=cache_dir)
     ids = workload_prompts(model, {name: config["workloads"][name]})[name]
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -317,6 +321,8 @@ def main(argv=None) -> int:
     ap.add_argument("config", nargs="?", default=str(REPO / "experiments/speculative_decoding.toml"))
     ap.add_argument("--quick", action="store_true", help="tiny sizes and grid: a smoke test")
     ap.add_argument("--out", default=str(REPO / "experiments/results"), help="results folder")
+    ap.add_argument("--cache-dir", default=None,
+                    help="the model cache: converted params, compiled steps (default: xlr-jax's)")
     ap.add_argument("--workload", help=argparse.SUPPRESS)  # internal: one workload's process
     ap.add_argument("--only", choices=("speed", "quality"),
                     help="run only the speed grid or only the SMC quality check")
@@ -333,8 +339,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     quality = {**config["smc_quality"], **(config["quick_smc_quality"] if args.quick else {})}
     if args.workload:
-        part = (smc_quality(quality) if args.workload == "smc_quality" else
-                measure_workload(config, run, grid, args.workload))
+        part = (smc_quality(quality, args.cache_dir) if args.workload == "smc_quality" else
+                measure_workload(config, run, grid, args.workload, args.cache_dir))
         (out / f"part-{args.workload}.json").write_text(json.dumps(part))
         return 0
 
@@ -353,6 +359,8 @@ def main(argv=None) -> int:
         # one process per workload: a single process compiling every step variant of the
         # whole grid ran out of LLVM code memory (method 37 of 46)
         command = [sys.executable, __file__, args.config, "--out", str(out), "--workload", name]
+        if args.cache_dir:
+            command += ["--cache-dir", args.cache_dir]
         subprocess.run(command + (["--quick"] if args.quick else []), check=True)
         part_path = out / f"part-{name}.json"
         part = json.loads(part_path.read_text())

@@ -147,18 +147,25 @@ def test_random_traffic_keeps_the_pool_consistent(ops):
 
 SYSTEM = ("You are a careful assistant for a small research lab. Answer briefly, cite the "
           "number you computed, and never invent data. ") * 6
+HISTORY = ("Our lab measured the boiling point of water at three altitudes today: 100.0 C at "
+           "sea level, 96.7 C at one thousand metres and 93.4 C at two thousand metres. ")
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pc")
-    kw = dict(cache_dir=d, page_size=16, max_context=1024, max_batch=4)
+def models(cache_dir):
+    """The cache on and off, on the session's plan and cache folder: the steps other tests
+    compiled are loaded, not compiled again (about 17 s each)."""
+    kw = dict(dtype="float32", cache_dir=cache_dir)
     return xlr_jax.load_model("smollm2", **kw), xlr_jax.load_model("smollm2", prefix_cache=False, **kw)
 
 
 def test_multi_turn_chat_identical_with_cache_on_and_off(models):
     cached, plain = models
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 7*6?"}]
+    page = cached.plan.page_size
+    # the first turn's prompt and answer fill a page past the stable tier: later turns
+    # hit the history's pages too
+    msgs = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": HISTORY + "What is 7*6?"}]
     for turn in range(4):
         a, b = cached.chat(msgs, max_tokens=10), plain.chat(msgs, max_tokens=10)
         assert a.token_ids == b.token_ids, turn
@@ -170,10 +177,10 @@ def test_multi_turn_chat_identical_with_cache_on_and_off(models):
             assert m["cached_tokens"] > m["stable_tokens"]               # history hits too
         msgs += [{"role": "assistant", "content": a.text},
                  {"role": "user", "content": f"And {turn + 2}*3?"}]
-    assert m["stable_tokens"] % 16 != 0  # the stable tier ends mid-page, and still hit in full
+    assert m["stable_tokens"] % page != 0  # the stable tier ends mid-page, and still hit in full
     stats = cached.prefix_cache.stats()
     assert stats["requests"] == 4 and stats["stable_hit_rate"] == pytest.approx(3 / 4)
-    assert stats["pages_pinned"] >= m["stable_tokens"] // 16 and stats["stable_tiers"] == 1
+    assert stats["pages_pinned"] >= m["stable_tokens"] // page and stats["stable_tiers"] == 1
     assert plain.prefix_cache is None
 
 
@@ -222,8 +229,7 @@ RUN = """
 import json, logging, sys, xlr_jax
 logging.basicConfig(level=logging.WARNING)
 cache_dir, switch, stable = sys.argv[1:4]
-m = xlr_jax.load_model(cache_dir=cache_dir, page_size=16, max_context=512,
-                       prefix_cache=switch == "on")
+m = xlr_jax.load_model(dtype="float32", cache_dir=cache_dir, prefix_cache=switch == "on")
 r = m.generate({"stable": stable, "volatile": " Q: the capital of France? A:"}, max_tokens=8)
 store = m.engine.tier_store
 if store:
@@ -246,7 +252,17 @@ def run_process(cache_dir, switch, stable):
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
-def test_stable_tier_survives_a_restart_and_bad_files_are_recomputed(tmp_path):
+def own_prefix_folder(tmp_path, cache_dir):
+    """A cache folder whose prefix/ is this test's alone, with the session's converted
+    params and compiled steps linked in (compiling them again takes about a minute)."""
+    for part in ("digests", "source", "params", "executables", "jax-compile"):
+        (cache_dir / part).mkdir(exist_ok=True)
+        (tmp_path / part).symlink_to(cache_dir / part, target_is_directory=True)
+    return tmp_path
+
+
+def test_stable_tier_survives_a_restart_and_bad_files_are_recomputed(tmp_path, cache_dir):
+    tmp_path = own_prefix_folder(tmp_path, cache_dir)
     ref, _ = run_process(tmp_path, "off", STABLE_A)
     cold, _ = run_process(tmp_path, "on", STABLE_A)
     assert cold["ids"] == ref["ids"] and cold["cached"] == 0
@@ -254,7 +270,7 @@ def test_stable_tier_survives_a_restart_and_bad_files_are_recomputed(tmp_path):
     assert len(files) == 1 and not list((tmp_path / "prefix").glob("*.tmp*"))
     warm, _ = run_process(tmp_path, "on", STABLE_A)  # a new process: no prefill of the tier
     assert warm["ids"] == ref["ids"] and warm["loaded"] == 1
-    assert warm["cached"] == warm["stable"] > 16 and warm["stable"] % 16  # mid-page, in full
+    assert warm["cached"] == warm["stable"] > 64 and warm["stable"] % 64  # mid-page, in full
 
     good = files[0].read_bytes()
     garbled = bytearray(good)

@@ -40,15 +40,16 @@ def _idle(model) -> dict:
 
 
 def test_threads_get_what_each_request_gets_alone(model):
-    """16 threads x 4 requests of every kind at once: each output equals its solo run."""
-    requests = [_request(i) for i in range(64)]
+    """16 threads x 2 requests of every kind at once (twice the rows a step holds): each
+    output equals its solo run."""
+    requests = [_request(i) for i in range(32)]
     solo = [_generate(model, r).token_ids for r in requests]
     got: dict[int, list[int]] = {}
     errors = []
 
     def caller(t: int):
         try:
-            for i in range(t, 64, 16):
+            for i in range(t, 32, 16):
                 got[i] = _generate(model, requests[i]).token_ids
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
@@ -59,7 +60,7 @@ def test_threads_get_what_each_request_gets_alone(model):
     for t in threads:
         t.join(timeout=900)
     assert not errors, errors
-    assert [got[i] for i in range(64)] == solo
+    assert [got[i] for i in range(32)] == solo
     _idle(model)
 
 

@@ -374,7 +374,7 @@ def test_a_draft_model_is_budgeted_from_the_plans_memory(tiny_models):
     assert len(roomy.generate(PROMPT, max_tokens=4, speculative=spec).token_ids) == 4
 
 
-def test_benchmark_quick_writes_json_and_plot(tmp_path):
+def test_benchmark_quick_writes_json_and_plot(tmp_path, cache_dir):
     """experiments/speculative_decoding.py --quick: every method of the quick grid runs,
     greedy exact SD equals greedy AR, sampled methods carry a log-likelihood, the SMC quality
     check compares plain sampling with SMC (fallback and forced), JSON + PNG."""
@@ -388,7 +388,7 @@ def test_benchmark_quick_writes_json_and_plot(tmp_path):
     spec.loader.exec_module(bench)
     assert bench.max_pair_repeats([5, 1, 2, 1, 2, 1, 2, 7]) == 3
     assert bench.max_pair_repeats([1, 2, 3]) == 1
-    assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--quick", "--out", str(tmp_path), "--cache-dir", str(cache_dir)]) == 0
     (out,) = tmp_path.glob("speculative_decoding-*.json")
     result = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 10_000
