@@ -32,8 +32,8 @@ base worker past its deadline reports what returned and is replaced by a fresh o
 Targets: none; this records the serving curve of both. Duration on a 2-core CPU: ~15 minutes
 (with seed 0 the arrivals alone span 7.3 minutes over both paths), plus ~5 minutes compiling
 the 14 step shapes on a new cache directory and the base worker's conversion and warm-up.
---quick (2 rates of 6 short requests, the plan's default shapes) takes about two minutes on a
-new cache directory, most of it compiling; it is a smoke test, not a measurement.
+--quick (tiny shapes, 2 rates of 6 requests) takes about two minutes on a new cache directory,
+most of it compiling; it is a smoke test, not a measurement.
 
 Run: python experiments/online_engine.py [--out experiments/results] [--quick] [--base REV]
 """
@@ -56,13 +56,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 PASSAGE = Path(__file__).with_name("cpu_vs_transformers.toml")
 BASE = "8a9b053"  # the commit before issue 13 (the always-on engine)
-# the longest prompt plus its longest output fits the context
 FULL = dict(rates=[0.15, 0.3, 0.6, 1.2], requests=12, prompt=(64, 2048), output=(16, 256),
-            timeout=300.0, load=dict(max_context=2048 + 256))
-# 6 short requests per rate, on the CPU plan's defaults: the steps other runs on the same
-# --cache-dir compiled are loaded, not compiled again
+            timeout=300.0, load={})
+# tiny shapes: 5 step executables to compile, 6 short requests per rate
 QUICK = dict(rates=[1.0, 4.0], requests=6, prompt=(16, 64), output=(4, 8), timeout=60.0,
-             load={})
+             load=dict(max_batch=2, prefill_chunk=16))
 PATHS = ("engine", "threads")
 RATIOS = ("throughput_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
           "latency_p50_s", "latency_p99_s")
@@ -320,7 +318,9 @@ def main(argv=None) -> dict:
     preset = QUICK if args.quick else FULL
     rates, n = args.rates or preset["rates"], args.requests or preset["requests"]
     timeout = args.timeout or preset["timeout"]
-    load = {**preset["load"], "prefix_cache": False, "cache_dir": args.cache_dir}
+    # the longest prompt plus its longest output fits the context
+    load = {**preset["load"], "max_context": preset["prompt"][1] + preset["output"][1],
+            "prefix_cache": False, "cache_dir": args.cache_dir}
 
     import xlr_jax
     from xlr_jax.bench.run import environment, git_state, git_worktree
