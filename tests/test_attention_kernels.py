@@ -173,11 +173,11 @@ def test_kernel_random_shapes(page_size, head_dim, ratio, q_len, batch, data):
 
 @pytest.mark.parametrize("window", [None, 37])
 def test_blocked_walk_reads_every_page_count_exactly(window):
-    """The XLA walk over blocks of 8 pages, then 2, then single pages (decode), or, for a
-    chunk, 4 unmasked pages at a time where every query sees them whole and 2 masked
-    ones after (a scaled unmasked piece fails it), for every length from one slot to a
-    24-page table and rows of different lengths, and over an 8-page table (no 8-page blocks then): each matches
-    the dense reference."""
+    """The XLA walk over pieces of 4 pages, then single pages (decode: 2 rows share a
+    block of 8 row-pages), or, for a chunk, 4 unmasked pages at a time where every
+    query sees them whole and 2 masked ones after (a scaled unmasked piece fails it),
+    for every length from one slot to a 24-page table and rows of different lengths,
+    and over an 8-page table: each matches the dense reference."""
     from xlr_jax.ops.paged_attention import paged_attention_blocked
 
     page_size = 4

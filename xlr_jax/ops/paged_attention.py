@@ -185,6 +185,14 @@ def walk_sizes(pages_per_block: int, table_width: int) -> tuple[int, ...]:
     return tuple(sorted(sizes | {1}, reverse=True))
 
 
+def decode_block(pages_per_block: int, rows: int) -> int:
+    """The most pages a decode walk's piece reads per row: a piece gathers every row's
+    pages at once, and past a block of rows x pages they leave the CPU's caches (8 rows
+    at 4,000 tokens, SmolLM2's layout: 5.3 ms a layer in 4-page pieces, 12.1 ms in 16-page
+    ones; one row the same either way)."""
+    return max(pages_per_block // rows, 1)
+
+
 def quarter_block(pages_per_block: int) -> int:
     return max(pages_per_block // 4, 1)
 
@@ -280,7 +288,7 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
         lo, hi, lambda i, c: piece(start + i * pages, pages, c, masked), c)
     if decode:  # each size's pieces from where the larger ones stopped
         start, width = 0, block_tables.shape[1]
-        for size in walk_sizes(pages_per_block, width):
+        for size in walk_sizes(decode_block(pages_per_block, batch), width):
             rest = jnp.maximum(seen_pages - start, 0)
             # one piece more when it reads at most a quarter of itself past the end: a
             # few unseen pages cost less than the smaller pieces that would cover them
