@@ -219,16 +219,16 @@ def max_pair_repeats(tokens: list[int]) -> int:
     return best
 
 
-def smc_quality(q: dict, cache_dir: str | None) -> dict:
+def smc_quality(q: dict, max_batch: int, cache_dir: str | None) -> dict:
     """Plain sampling against SMC-SD per draft, fallback on and forced, on q's prompts and
     seeds (the answers of one prompt and seed are compared with each other)."""
     import tempfile
 
     import xlr_jax
 
-    # at least the CPU plan's 8 rows: the plan, hence its compiled steps, of the speed grid
-    model = xlr_jax.load_model("smollm2", dtype="float32", max_batch=max(*q["particles"], 8),
-                               cache_dir=cache_dir)
+    # at least the speed grid's rows: its plan, hence its compiled steps
+    model = xlr_jax.load_model("smollm2", dtype="float32",
+                               max_batch=max(*q["particles"], max_batch), cache_dir=cache_dir)
     prompts = [model.tokenizer.encode(model.chat_prompt([{"role": "user", "content": p}]))
                for p in q["prompts"]]
     runs = [(ids, seed) for ids in prompts for seed in q["seeds"]]
@@ -339,7 +339,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     quality = {**config["smc_quality"], **(config["quick_smc_quality"] if args.quick else {})}
     if args.workload:
-        part = (smc_quality(quality, args.cache_dir) if args.workload == "smc_quality" else
+        part = (smc_quality(quality, run["max_batch"], args.cache_dir)
+                if args.workload == "smc_quality" else
                 measure_workload(config, run, grid, args.workload, args.cache_dir))
         (out / f"part-{args.workload}.json").write_text(json.dumps(part))
         return 0

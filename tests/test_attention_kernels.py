@@ -173,22 +173,24 @@ def test_kernel_random_shapes(page_size, head_dim, ratio, q_len, batch, data):
 
 @pytest.mark.parametrize("window", [None, 37])
 def test_blocked_walk_reads_every_page_count_exactly(window):
-    """The XLA walk over pieces of 4 pages, then single pages (decode: 2 rows share a
-    block of 8 row-pages), or, for a chunk, 4 unmasked pages at a time where every
-    query sees them whole and 2 masked ones after (a scaled unmasked piece fails it),
-    for every length from one slot to a 24-page table and rows of different lengths,
-    and over an 8-page table: each matches the dense reference."""
-    from xlr_jax.ops.paged_attention import paged_attention_blocked
+    """The XLA walk of 2 decode rows over pieces of 12 pages, then 3, then single pages
+    (a 24-page block shared by the rows), or, for a chunk, 4 unmasked pages at a time
+    where every query sees them whole and 2 masked ones after (a scaled unmasked piece
+    fails it), for every length from one slot to a 24-page table and rows of different
+    lengths, and 2 decode rows over an 8-page table in pieces of 4, then single pages:
+    each matches the dense reference."""
+    from xlr_jax.ops.paged_attention import paged_attention_blocked, walk_sizes
 
     page_size = 4
-    for q_len, width in ((1, 24), (3, 24), (1, 8)):
+    assert walk_sizes(24, 24, rows=2) == (12, 3, 1) and walk_sizes(8, 8, rows=2) == (4, 1)
+    for q_len, width, block in ((1, 24, 24), (3, 24, 8), (1, 8, 8)):
         for first in range(q_len, page_size * width + 1, 3):
             lengths = [first, max(q_len, page_size * width - first + 1)]
             q, k, v, tables, lens, positions = make_case(
                 first, batch=2, q_len=q_len, heads=6, kv_heads=2, head_dim=64,
                 page_size=page_size, lengths=lengths, table_width=width)
             out = paged_attention_blocked(q, (k, v), tables, lens, positions,
-                                          pages_per_block=8, sliding_window=window)
+                                          pages_per_block=block, sliding_window=window)
             ref = dense_attention(q, sequence_cache(k, tables), sequence_cache(v, tables),
                                   np.asarray(lens), np.asarray(positions), window)
             assert rel_err(out, ref) < TOL[jnp.float32], (q_len, lengths)

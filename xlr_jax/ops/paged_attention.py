@@ -176,21 +176,17 @@ def paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions, *,
 
 
 
-def walk_sizes(pages_per_block: int, table_width: int) -> tuple[int, ...]:
-    """The pages a decode row's attention walk reads at a time, largest first: whole
-    blocks, quarter blocks, single pages. None as wide as the table: its slice would be
-    the whole table, which XLA hoists out of the loop and gathers every step, even when
-    the loop runs no iteration (decode at half speed with a 16-page table)."""
-    sizes = {s for s in (pages_per_block, quarter_block(pages_per_block)) if s < table_width}
+def walk_sizes(pages_per_block: int, table_width: int, rows: int = 1) -> tuple[int, ...]:
+    """The pages each of `rows` decode rows' attention walk reads at a time, largest
+    first: the block shared by the rows, its quarter, single pages. A piece gathers every
+    row's pages at once, and past a block of rows x pages they leave the CPU's caches (8
+    rows at 4,000 tokens, SmolLM2's layout: 5.3 ms a layer in 4-page pieces, 12.1 ms in
+    16-page ones; one row the same either way). None as wide as the table: its slice
+    would be the whole table, which XLA hoists out of the loop and gathers every step,
+    even when the loop runs no iteration (decode at half speed with a 16-page table)."""
+    block = max(pages_per_block // rows, 1)
+    sizes = {s for s in (block, quarter_block(block)) if s < table_width}
     return tuple(sorted(sizes | {1}, reverse=True))
-
-
-def decode_block(pages_per_block: int, rows: int) -> int:
-    """The most pages a decode walk's piece reads per row: a piece gathers every row's
-    pages at once, and past a block of rows x pages they leave the CPU's caches (8 rows
-    at 4,000 tokens, SmolLM2's layout: 5.3 ms a layer in 4-page pieces, 12.1 ms in 16-page
-    ones; one row the same either way)."""
-    return max(pages_per_block // rows, 1)
 
 
 def quarter_block(pages_per_block: int) -> int:
@@ -206,9 +202,10 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
     sees to the last, in loops with dynamic trip counts, so a block table may be as wide
     as the longest context and a short sequence still reads only its own few pages.
     On XLA:CPU each piece of the walk costs ~30 us beside its pages' gather (~20 us a
-    page), so decode (one query per row) walks the pages in the sizes of `walk_sizes`,
-    each size's last piece reading up to a quarter of itself past the last seen page:
-    few pieces, few pages over (14 pages: one of 16; 18: 16 + 1 + 1; 30: 16 + 16). A chunk's
+    page), so decode (one query per row) walks the pages in the sizes of `walk_sizes` for
+    its row count, each size's last piece reading up to a quarter of itself past the last
+    seen page: few pieces, few pages over (one row, 16-page blocks: 14 pages, one piece of
+    16; 18: 16 + 1 + 1; 30: 16 + 16). A chunk's
     products outweigh a piece's cost: it walks the pages every query sees whole in
     unmasked half blocks (and a last quarter), then the diagonal in masked quarters.
     `block_tables` must be a whole number of blocks wide.
@@ -288,7 +285,7 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
         lo, hi, lambda i, c: piece(start + i * pages, pages, c, masked), c)
     if decode:  # each size's pieces from where the larger ones stopped
         start, width = 0, block_tables.shape[1]
-        for size in walk_sizes(decode_block(pages_per_block, batch), width):
+        for size in walk_sizes(pages_per_block, width, batch):
             rest = jnp.maximum(seen_pages - start, 0)
             # one piece more when it reads at most a quarter of itself past the end: a
             # few unseen pages cost less than the smaller pieces that would cover them

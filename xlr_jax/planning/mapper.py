@@ -322,7 +322,9 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                       f"its cost): {len(buckets.batch) + 2 * len(buckets.chunk)} executables "
                       "in all; its attention walks only the pages each row sees (a decode "
                       f"row {walk_sizes(buckets.attn_block, buckets.table_width)} pages at a "
-                      "time), so the block-table width is not a shape to compile for. "
+                      f"time, {buckets.batch[-1]} rows "
+                      f"{walk_sizes(buckets.attn_block, buckets.table_width, buckets.batch[-1])}"
+                      "), so the block-table width is not a shape to compile for. "
                       "Speculative cycles and scoring keep block-table widths: "
                       + ("every 2 pages to 32, then ~1.25x (XLA reads the whole width)"
                          if not gpu else "powers of two (the kernel skips unseen pages)"))
