@@ -8,8 +8,8 @@ and loads them with no tracing at all (`jax.experimental.serialize_executable`).
 Layout: cache_dir/executables/<fingerprint>/<step>.bin, one file per step shape
 (e.g. `step-1-32.bin`: one decode row and a 32-token prefill chunk). The
 fingerprint hashes the jax and jaxlib versions, the devices and the CPU's instruction
-set, this package's source code, the caller's options (model config, dtypes, KV pool,
-compile options) and the params' layout: any change gives a new directory, never a
+set, this package's source code, XLA_FLAGS, the caller's options (model config, dtypes,
+KV pool, compile options) and the params' layout: any change gives a new directory, never a
 stale executable. `recent.json` lists the steps the last process
 used, in the order it first used them; `preload` reads those (the same command run
 again needs exactly these) on background threads, while the caller goes on loading.
@@ -80,7 +80,8 @@ def fingerprint(options, *example_args) -> str:
     text = json.dumps([STORE_VERSION, jax.__version__, jaxlib.__version__,
                        devices[0].client.platform, devices[0].client.platform_version,
                        [d.device_kind for d in devices], platform.machine(), _cpu_features(),
-                       code_digest(), options, str(jax.tree.structure(example_args)), layout])
+                       code_digest(), os.environ.get("XLA_FLAGS", ""), options,
+                       str(jax.tree.structure(example_args)), layout])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
