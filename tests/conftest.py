@@ -3,13 +3,6 @@ import os
 
 import pytest
 
-# Tests check results; speed is the benchmarks' (experiments/). Most of the suite's time is
-# XLA compiling, and LLVM's optimizations off take about a third off a compile (README:
-# the test suite's time). Set before any backend starts; subprocesses inherit it.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = " ".join(
-        filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
-
 
 def pytest_collection_modifyitems(config, items):
     import jax
