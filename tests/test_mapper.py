@@ -373,3 +373,33 @@ def test_plan_dataclass_is_frozen(smollm2):
     p = plan(PROFILES["cpu24"], smollm2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.num_pages = 3
+
+
+def test_step_budget_sizes_the_chunk_beside_decode_rows_and_keeps_the_tokens(smollm2):
+    """max_step_tokens caps the prefill chunk a step carries beside decode rows, at a chunk
+    bucket (a chunk costs its bucket's step); with nothing decoding a prompt takes whole
+    chunks. The budget changes when tokens come, never which."""
+    p = plan(PROFILES["cpu24"], TINY, Workload(max_batch=2, prefill_chunk=32, max_step_tokens=40),
+             page_size=16)
+    assert p.max_step_tokens == 40 and p.reasons["max_step_tokens"] == "set by the caller"
+    cpu, gpu = plan(PROFILES["cpu24"], smollm2), plan(PROFILES["gpu80"], smollm2)
+    assert cpu.max_step_tokens == cpu.max_batch + 64 < cpu.max_batch + cpu.prefill_chunk
+    assert gpu.max_step_tokens == gpu.max_batch + gpu.prefill_chunk
+    with pytest.raises(PlanError, match="max_step_tokens"):
+        plan(PROFILES["cpu24"], TINY, Workload(max_step_tokens=0))
+    engine = Engine.from_plan(TINY, random_params(TINY, jnp.float32, 0), None, p)
+    assert p.buckets.chunk == (16, 32)
+    assert engine.chunk_room(0) == 32 and engine.chunk_room(2) == 32
+    engine.max_step_tokens = 33
+    assert engine.chunk_room(0) == 32  # nothing decodes: a whole chunk
+    assert engine.chunk_room(1) == 32 and engine.chunk_room(2) == 16  # 31 fit: the 16 bucket
+    engine.max_step_tokens = 10
+    assert engine.chunk_room(2) == 16  # none fits: the smallest, so a prompt still moves
+    # a short prompt decodes while a long one prefills beside it
+    prompts = [[5, 9, 2], [int(t) for t in np.random.default_rng(1).integers(0, 256, 40)]]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True)] * 2
+    tokens = {}
+    for budget in (10, 40):
+        engine.max_step_tokens = budget
+        tokens[budget] = [r.token_ids for _, _, r in engine.run(prompts, params) if r is not None]
+    assert tokens[10] == tokens[40] and all(len(t) == 20 for t in tokens[10])

@@ -1,9 +1,11 @@
-"""The online, verify-rows and serve-load experiments run end to end (--quick) and report sane
-figures."""
+"""The online, verify-rows, serve-load and load-budget experiments run end to end (--quick)
+and report sane figures."""
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,3 +72,18 @@ def test_serve_load_experiment_quick(tmp_path, cache_dir):
         assert f["requests"] == f["clients"] * r["config"]["requests_per_client"]
         assert f["throughput_tokens_per_s"] > 0 and 0 < f["ttft_p50_s"] <= f["ttft_p99_s"]
         assert 0 <= r["startup_event_loop_max_stall_s"] <= f["event_loop_max_stall_s"]
+
+
+def test_load_budget_experiment_quick(tmp_path, cache_dir):
+    """experiments/load_budget.py --quick: at each step budget, the running streams' gaps
+    while newcomers prefill and the newcomers' TTFT, against one stream decoding alone."""
+    r = run_quick("load_budget.py", tmp_path, cache_dir)
+    assert r["experiment"] == "load_budget" and r["quick"] and "sha" in r["git"]
+    assert list(r["budgets"]) == [str(b) for b in r["settings"]["budgets"]]
+    assert r["unloaded_itl_s"] > 0 and r["default_budget"] == r["plan"]["max_step_tokens"]
+    for f in r["budgets"].values():
+        assert f["gaps"] > 0 and 0 < f["itl_p50_s"] <= f["itl_p99_s"]
+        assert 0 < f["ttft_p50_s"] <= f["ttft_p99_s"] and f["tokens_per_s"] > 0
+        assert f["itl_p99_over_unloaded"] == pytest.approx(f["itl_p99_s"] / r["unloaded_itl_s"])
+        assert f["streams_decoding_at_end"] == r["settings"]["streams"]  # load held throughout
+    assert next(tmp_path.glob("load_budget-*.png")).stat().st_size > 10_000

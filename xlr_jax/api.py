@@ -32,7 +32,7 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                dtype: str | None = None,
                page_size: int | None = None, num_pages: int | None = None,
                max_batch: int | None = None, prefill_chunk: int | None = None,
-               max_waiting: int | None = None,
+               max_waiting: int | None = None, max_step_tokens: int | None = None,
                max_context: int | None = None, attn_impl: str = "auto",
                kv_dtype: str | None = None, hardware: HardwareProfile | None = None,
                prefix_cache: bool = True, cache_dir: str | os.PathLike | None = None,
@@ -50,6 +50,10 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     max_batch: sequences decoded together; prefill_chunk: tokens per prefill call.
     max_waiting: requests queued beyond the running batch before `submit` raises
     QueueFullError.
+    max_step_tokens: the step budget, tokens one step carries while requests decode (its
+    decode rows and the prefill chunk beside them): smaller keeps the running streams'
+    inter-token latency down while a new prompt prefills, larger gives that prompt its
+    first token sooner. A prompt with nothing else running prefills in whole chunks.
     attn_impl: "auto" (Pallas on GPU, XLA on CPU), "pallas" or "xla".
     kv_dtype: KV page dtype (default: dtype); "int8" or "fp8" store quantized
     pages with per-token-per-head scales.
@@ -66,7 +70,8 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     """
     for name, value in (("page_size", page_size), ("num_pages", num_pages),
                         ("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
-                        ("max_context", max_context), ("max_waiting", max_waiting)):
+                        ("max_context", max_context), ("max_waiting", max_waiting),
+                        ("max_step_tokens", max_step_tokens)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise InvalidRequestError(f"{name} must be a positive integer (got {value!r})")
     start = time.perf_counter()
@@ -77,7 +82,8 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
               else open_source(resolve_model(name_or_path), cache))
     execution = plan(hardware or probe(), source.config,
                      Workload(max_context=max_context, max_batch=max_batch,
-                              prefill_chunk=prefill_chunk, max_waiting=max_waiting),
+                              prefill_chunk=prefill_chunk, max_waiting=max_waiting,
+                              max_step_tokens=max_step_tokens),
                      dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, num_pages=num_pages,
                      attn_impl=attn_impl, compiler_options=compiler_options)
     compute = jnp.dtype(execution.compute_dtype)

@@ -203,7 +203,8 @@ def cmd_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise XlrError(f"--port must be in 0-65535 (got {args.port})")
     plan = {k: getattr(args, k) for k in ("max_context", "max_batch", "num_pages",
-                                          "page_size", "prefill_chunk", "max_waiting")}
+                                          "page_size", "prefill_chunk", "max_waiting",
+                                          "max_step_tokens")}
 
     if args.temperature < 0 or (args.max_tokens is not None and args.max_tokens < 1):
         raise XlrError("--temperature must be 0 or more and --max-tokens at least 1")
@@ -282,7 +283,10 @@ def _add_serve_parser(sub) -> None:
                        ("--max-batch", "sequences decoded together"),
                        ("--num-pages", "KV pages in the pool"),
                        ("--page-size", "tokens per KV page"),
-                       ("--prefill-chunk", "prompt tokens per prefill step")):
+                       ("--prefill-chunk", "prompt tokens per prefill step"),
+                       ("--max-step-tokens", "tokens one step carries while requests decode "
+                        "(decode rows + the prefill chunk beside them): lower keeps streams' "
+                        "inter-token latency down while a prompt prefills")):
         p.add_argument(flag, type=int, default=None, help=f"plan override: {what}")
     _add_model_options(p)
     p.set_defaults(func=cmd_serve)

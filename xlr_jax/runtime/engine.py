@@ -761,6 +761,16 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.record(req.cache_metrics)
 
+    def chunk_room(self, rows: int) -> int:
+        """Prompt tokens a step with `rows` decode rows carries: a whole chunk when nothing
+        decodes; beside decode rows, the largest chunk bucket within the step budget
+        (max_step_tokens; the smallest bucket if none fits, so a prompt always moves): a
+        chunk costs its bucket's step, full or not."""
+        if rows == 0:
+            return self.buckets.chunk[-1]
+        fits = [c for c in self.buckets.chunk if c <= self.max_step_tokens - rows]
+        return fits[-1] if fits else self.buckets.chunk[0]
+
     def dispatch(self, decoding: list[_Request], chunk: _Request | None = None,
                  feed=None, verify: list[tuple] = ()) -> "_Step":
         """Launch one step: a token for each request of `decoding` and the next chunk of
@@ -775,8 +785,7 @@ class Engine:
         rows = len(decoding) + sum(1 + len(p.drafts) for p in verify)
         part = []
         if chunk is not None:
-            room = min(self.buckets.chunk[-1], self.max_step_tokens - rows)
-            part = chunk.context_ids[chunk.prefilled:chunk.chunk_end(room)]
+            part = chunk.context_ids[chunk.prefilled:chunk.chunk_end(self.chunk_room(rows))]
         build = self.steps.builder(rows, len(part))
         width = self.steps.buckets.table_width
         for r in decoding:
