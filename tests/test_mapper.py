@@ -319,10 +319,10 @@ def test_roofline_cli_json_and_plot(tmp_path):
 
 
 def test_plan_and_probe_cli():
-    out = _xlr("plan", "--json", "--max-context", "1024")
+    out = _xlr("plan", "--json", "--max-context", "1024", "--max-step-tokens", "40")
     assert out.returncode == 0, out.stderr
     p = ExecutionPlan.from_json(out.stdout)
-    assert p.max_context == 1024 and p.compute_dtype == "float32"
+    assert p.max_context == 1024 and p.compute_dtype == "float32" and p.max_step_tokens == 40
     assert "set by the caller" in _xlr("plan", "--max-context", "1024").stdout
     out = _xlr("probe", "--json")
     assert json.loads(out.stdout)["backend"] == "cpu"

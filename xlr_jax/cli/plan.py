@@ -40,7 +40,7 @@ def _plan_for(args):
     options = dict(dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
                    num_pages=args.num_pages, attn_impl=args.attn_impl)
     workload = dict(max_context=args.max_context, max_batch=args.max_batch,
-                    prefill_chunk=args.prefill_chunk)
+                    prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens)
     if args.warmup:
         model = load_model(args.model, cache_dir=args.cache_dir,
                            prefix_cache=not args.no_prefix_cache, **options, **workload)
@@ -158,6 +158,7 @@ def add_cli(sub, add_model_options) -> None:
     add_model_options(p)
     for flag, what in (("--max-context", "context length"), ("--max-batch", "sequences at once"),
                        ("--prefill-chunk", "prefill tokens per step"),
+                       ("--max-step-tokens", "tokens per step while requests decode"),
                        ("--page-size", "tokens per KV page"), ("--num-pages", "KV pages")):
         p.add_argument(flag, type=int, default=None, help=f"override: {what}")
     p.set_defaults(func=cmd_plan)
