@@ -6,22 +6,23 @@ Workload, the same at every budget: `streams` requests start together (short pro
 each decodes `stream_tokens` tokens, EOS ignored. Once all of them decode, a newcomer
 arrives every `gap_s` seconds with a `newcomer_prompt`-token prompt and decodes
 `newcomer_tokens`: `streams` to `streams` + 2 decode at any time (6-8 by default), and
-every newcomer's prefill runs in the steps the running streams decode in. Prompts are windows of the passage of
-experiments/cpu_vs_transformers.toml, as token ids; the prefix cache is off, so every
-prompt is prefilled in full. Nothing is timed before every step shape has compiled.
+every newcomer's prefill runs in the steps the running streams decode in. Each prompt is
+the passage of experiments/cpu_vs_transformers.toml, its sentences reshuffled with
+--seed + its index (`xlr bench`'s text prompts); the prefix cache is off, so every prompt
+is prefilled in full. Nothing is timed before every step shape has compiled.
 
 Figures per budget: every inter-token gap of the running streams from the first
 newcomer's arrival to the last newcomer's first token, p50 and p99, and p99 over the
 unloaded ITL (one stream decoding alone, the median gap, measured in the same process
 before the budgets, and again after, to show drift; and the running streams decoding
 together with no newcomer, what batching alone costs them); the newcomers' TTFT (arrival
-to first token), p50 and p99; tokens per second over the loaded span. Budgets take turns in each
-round; figures are medians over rounds.
+to first token), p50 and p99; tokens per second over the loaded span. Budgets take turns
+in each round; figures are medians over rounds.
 Target: the p99 gap <= 3x the unloaded ITL at the plan's default budget.
 Writes JSON (environment, git sha, plan) and a PNG of p99 and p50 ITL against TTFT p50.
 
 Run: python experiments/load_budget.py [--out experiments/results] [--budgets 24 40 ...]
-     [--rounds 3] [--streams 6] [--quick] [--cache-dir DIR]
+     [--rounds 3] [--streams 6] [--seed 0] [--quick] [--cache-dir DIR]
 (--quick: 3 streams, 2 newcomers, 2 budgets, one round; a smoke test, not a measurement)
 """
 from __future__ import annotations
@@ -31,54 +32,43 @@ import threading
 import time
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-PASSAGE = Path(__file__).with_name("cpu_vs_transformers.toml")
+PASSAGE = Path(__file__).with_name("cpu_vs_transformers.toml")  # its [prompt] passage
 FULL = dict(streams=6, stream_prompt=64, stream_tokens=224, newcomers=6, newcomer_prompt=512,
             newcomer_tokens=16, gap_s=1.5, budgets=[24, 40, 72, 136, 264], rounds=3,
-            unloaded_tokens=48, load={})
-# the default plan, as the full run: a test's quick run loads the steps its session compiled
+            unloaded_tokens=48)
+# on the default plan too: a test's quick run loads the steps its session compiled
 QUICK = dict(streams=3, stream_prompt=16, stream_tokens=32, newcomers=2, newcomer_prompt=48,
-             newcomer_tokens=4, gap_s=0.2, budgets=[24, 72], rounds=1, unloaded_tokens=8,
-             load={})
+             newcomer_tokens=4, gap_s=0.2, budgets=[24, 72], rounds=1, unloaded_tokens=8)
 MAX_RATIO = 3.0
 
 
-def windows(tokenizer, lengths: list[int], seed: int) -> list[list[int]]:
-    """A window of the passage (tiled) of each length, at seeded offsets."""
-    text = tomllib.loads(PASSAGE.read_text())["prompt"]["passage"]
-    base = tokenizer.encode(text, add_special_tokens=False)
-    tiled = base * (max(lengths) // len(base) + 2)
-    offsets = np.random.default_rng(seed).integers(0, len(base), len(lengths))
-    return [tiled[o:o + n] for o, n in zip(offsets, lengths)]
+def prompts_of(model, lengths: list[int], seed: int) -> list[list[int]]:
+    """A prompt of each length: the passage's sentences reshuffled (`xlr bench`'s text
+    prompts), seed + i for the i-th."""
+    from xlr_jax.bench.engines import prompt_ids
+
+    passage = tomllib.loads(PASSAGE.read_text())["prompt"]["passage"]
+    encoder = SimpleNamespace(encode=lambda text: model.tokenizer.encode(
+        text, add_special_tokens=False))
+    return [prompt_ids({"kind": "text", "passage": passage, "seed": seed + i}, n, encoder)
+            for i, n in enumerate(lengths)]
 
 
-def token_times(handle, times: list[float] | None = None) -> list[float]:
+def token_times(handle, times: list[float]) -> None:
     """Each token's arrival time, appended to `times` as it comes."""
-    times = [] if times is None else times
     for _ in handle.tokens():
         times.append(time.perf_counter())
-    return times
 
 
-def unloaded_itl(model, prompt: list[int], n: int) -> float:
-    """The median gap of one stream decoding alone."""
-    times = token_times(model.submit(prompt, max_tokens=n, ignore_eos=True))
-    return float(np.median(np.diff(times)))
-
-
-def batch_itl(model, streams: list[list[int]], n: int) -> dict:
-    """The streams decoding together with no newcomer: their gaps once all of them decode
-    (what batching alone costs each stream's ITL)."""
-    times = [[] for _ in streams]
-    threads = [threading.Thread(target=token_times, args=(
-        model.submit(ids, max_tokens=n, ignore_eos=True), t)) for t, ids in zip(times, streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+def decode_gaps(model, streams: list[list[int]], n: int) -> dict:
+    """The streams decoding `n` tokens together, no newcomer: p50 and p99 of their gaps
+    once all of them decode (one stream: the unloaded ITL)."""
+    times = run_load(model, streams, [], {"stream_tokens": n})["streams"]
     start = max(t[0] for t in times)
     gaps = [b - a for t in times for a, b in zip(t, t[1:]) if a >= start]
     return {"p50_s": float(np.percentile(gaps, 50)), "p99_s": float(np.percentile(gaps, 99))}
@@ -163,6 +153,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--budgets", type=int, nargs="+", help="max_step_tokens values to run")
     ap.add_argument("--rounds", type=int, help="interleaved rounds (figures are medians)")
     ap.add_argument("--streams", type=int, help="running streams (default 6; 3 with --quick)")
+    ap.add_argument("--seed", type=int, default=0, help="the prompts' sentence order")
     ap.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test")
     ap.add_argument("--cache-dir", help="xlr-jax's cache folder (default ~/.cache/xlr-jax)")
     args = ap.parse_args(argv)
@@ -170,32 +161,33 @@ def main(argv=None) -> dict:
     s["budgets"] = args.budgets or s["budgets"]
     s["rounds"] = args.rounds or s["rounds"]
     s["streams"] = args.streams or s["streams"]
+    s["seed"] = args.seed
 
     import xlr_jax
     from xlr_jax.bench.run import write_result
 
     model = xlr_jax.load_model("smollm2", dtype="float32", prefix_cache=False,
-                               cache_dir=args.cache_dir, **s["load"])
+                               cache_dir=args.cache_dir)
     default = model.engine.max_step_tokens
-    prompts = windows(model.tokenizer, [s["stream_prompt"]] * s["streams"]
-                      + [s["newcomer_prompt"]] * s["newcomers"], seed=0)
+    prompts = prompts_of(model, [s["stream_prompt"]] * s["streams"]
+                         + [s["newcomer_prompt"]] * s["newcomers"], s["seed"])
     streams, newcomers = prompts[:s["streams"]], prompts[s["streams"]:]
     warm = dict(s, newcomers=1, gap_s=0.0)
     for budget in s["budgets"]:  # compiles every shape the runs take (chunk sizes differ)
         model.engine.max_step_tokens = budget
         run_load(model, streams, newcomers[:1], warm)
-    unloaded_itl(model, streams[0], s["unloaded_tokens"])
-    unloaded = [unloaded_itl(model, streams[0], s["unloaded_tokens"])]
+    decode_gaps(model, streams[:1], s["unloaded_tokens"])  # one row's shapes, if not yet
+    unloaded = decode_gaps(model, streams[:1], s["unloaded_tokens"])["p50_s"]
     runs = {b: [] for b in s["budgets"]}
     for r in range(s["rounds"]):
         for budget in s["budgets"] if r % 2 == 0 else reversed(s["budgets"]):
             model.engine.max_step_tokens = budget
-            runs[budget].append(figures(run_load(model, streams, newcomers, s), unloaded[0]))
+            runs[budget].append(figures(run_load(model, streams, newcomers, s), unloaded))
             print(f"round {r + 1} budget {budget}: ITL p99 "
                   f"{runs[budget][-1]['itl_p99_s'] * 1e3:.0f} ms, TTFT p50 "
                   f"{runs[budget][-1]['ttft_p50_s']:.2f} s", flush=True)
-    unloaded.append(unloaded_itl(model, streams[0], s["unloaded_tokens"]))
-    batch = batch_itl(model, streams, s["unloaded_tokens"])
+    unloaded_after = decode_gaps(model, streams[:1], s["unloaded_tokens"])["p50_s"]
+    batch = decode_gaps(model, streams, s["unloaded_tokens"])
     model.engine.max_step_tokens = default
     budgets = {str(b): medians(runs[b]) for b in s["budgets"]}
     at_default = budgets.get(str(default))
@@ -205,8 +197,8 @@ def main(argv=None) -> dict:
                                       "max_step_tokens": plan.max_step_tokens,
                                       "compute_dtype": plan.compute_dtype,
                                       "reason": plan.reasons["max_step_tokens"]},
-              "default_budget": default, "unloaded_itl_s": unloaded[0],
-              "unloaded_itl_after_s": unloaded[1], "streams_alone_itl": batch,
+              "default_budget": default, "unloaded_itl_s": unloaded,
+              "unloaded_itl_after_s": unloaded_after, "streams_alone_itl": batch,
               "budgets": budgets,
               "targets": {"itl_p99_over_unloaded_at_default": None if at_default is None else {
                   "value": at_default["itl_p99_over_unloaded"], "max": MAX_RATIO,
@@ -214,7 +206,7 @@ def main(argv=None) -> dict:
     model.shutdown()
     path = write_result(args.out, "load_budget", result, quick=args.quick)
     plot(result, path.with_suffix(".png"))
-    print(f"unloaded ITL {unloaded[0] * 1e3:.1f} ms (after: {unloaded[1] * 1e3:.1f} ms); "
+    print(f"unloaded ITL {unloaded * 1e3:.1f} ms (after: {unloaded_after * 1e3:.1f} ms); "
           f"{s['streams']} streams alone: p50 {batch['p50_s'] * 1e3:.1f}, "
           f"p99 {batch['p99_s'] * 1e3:.1f} ms")
     print(f"{'budget':>8} {'ITL p50':>9} {'ITL p99':>9} {'p99/unl':>8} {'TTFT p50':>9} "

@@ -35,6 +35,7 @@ MAX_PREEMPTIONS = 2        # a request preempted this often is protected: it run
 MAX_PINNED_SHARE = 0.5     # stable tiers pinning more of the pool unpin LRU-first
 ATTN_BLOCK_PAGES = 16      # XLA attention's largest piece of a row's pages
 REDUCE_ROWS = 16           # XLA:CPU: products of up to this many rows as multiply-sums
+CPU_STEP_CHUNK = 64        # XLA:CPU: prompt tokens a step carries beside decode rows
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,18 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
     chunk = choose("prefill_chunk", workload.prefill_chunk, 512 if gpu else 256,
                    "prefill tokens per step: large enough to be compute-bound, small enough "
                    "to interleave decode steps")
-    for name, value in (("max_batch", batch), ("prefill_chunk", chunk), ("max_context", context)):
+    step_tokens = choose(
+        "max_step_tokens", workload.max_step_tokens,
+        batch + (chunk if gpu else min(chunk, CPU_STEP_CHUNK)),
+        "GPU: every decode row and one full prefill chunk (a long prompt adds at most one "
+        "chunk to the running streams' step)" if gpu else
+        f"CPU: the decode rows and a {CPU_STEP_CHUNK}-token chunk beside them; with nothing "
+        "decoding a prompt takes whole chunks. 4-8 streams under load "
+        "(experiments/load_budget.py, 4 runs): ITL p99 47-57% lower than with a whole chunk "
+        "per step, for 0.3-0.6 s more TTFT; the median ITL rises when newcomers keep most "
+        "steps carrying a chunk")
+    for name, value in (("max_batch", batch), ("prefill_chunk", chunk), ("max_context", context),
+                        ("max_step_tokens", step_tokens)):
         if value < 1:
             raise PlanError(f"{name} must be a positive integer (got {value})")
 
@@ -335,16 +347,6 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         "dot of 2-8 rows costs 2-3x a matrix-vector product (an 8-row decode step 0.66-0.76x "
         "the time, measured)" if buckets.reduce_rows else
         "every product a dot: the GPU's matrix units take a few rows at matrix-vector cost")
-    step_tokens = choose(
-        "max_step_tokens", workload.max_step_tokens, batch + (chunk if gpu else min(chunk, 64)),
-        "GPU: every decode row and one full prefill chunk (a long prompt adds at most one "
-        "chunk to the running streams' step)" if gpu else
-        "CPU: the decode rows and a 64-token chunk beside them; with nothing decoding a "
-        "prompt takes whole chunks. 8 streams under load (experiments/load_budget.py): ITL "
-        "p99 115 ms and a newcomer's TTFT 0.85 s, against 265 ms and 0.54 s with a whole "
-        "chunk per step, and 98 ms but 1.29 s with 32 tokens")
-    if step_tokens < 1:
-        raise PlanError(f"max_step_tokens must be a positive integer (got {step_tokens})")
     spec = SpeculativePolicy(
         draft=workload.draft, gamma=4, particle_cap=8 if gpu else 4,
         rule="N = 1 + (free pages - 10% headroom) // pages per extra particle "
