@@ -5,15 +5,43 @@ import numpy as np
 import pytest
 
 from xlr_jax import InvalidRequestError
-from xlr_jax.model.sampling import SamplingBatch, SamplingParams, sample, sampler_for
+from xlr_jax.model.sampling import (CANDIDATES, SamplingBatch, SamplingParams, sample_rows,
+                                    sampler_for, token_probs)
 
 
-def draw(logits, n=400, sampler=None, **kw):
+def draw(logits, n=400, **kw):
     """Tokens drawn from one row of logits under n different steps."""
     params = SamplingParams(**kw)
     rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, len(logits)))
-    batch = SamplingBatch.build([params] * n, list(range(n)), n)
-    return np.asarray(sample(rows, batch, sampler=sampler or sampler_for([params])))
+    return np.asarray(sample_rows(rows, SamplingBatch.build([params] * n, list(range(n)), n)))
+
+
+def kept_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """The filtered distribution by definition, token by token (no ranking): a token is
+    kept when fewer than top_k tokens, and less than top_p of the probability, lie
+    strictly above it, and its probability is at least min_p times the largest."""
+    scaled = np.asarray(logits, np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    above = scaled[None, :] > scaled[:, None]  # [i, j]: j strictly above i
+    keep = (above.sum(1) < top_k) if top_k else np.ones(len(probs), bool)
+    if top_p < 1:
+        keep &= (above * probs[None, :]).sum(1) < top_p
+    keep &= probs >= min_p * probs.max()
+    kept = np.where(keep, probs, 0.0)
+    return kept / kept.sum()
+
+
+def total_variation_by_rank(tokens, expected, bins=32):
+    """Total variation between drawn tokens and `expected`, over bins of tokens in rank
+    order (bins of equal expected mass keep every bin's count large)."""
+    order = np.argsort(-expected)
+    edges = np.searchsorted(np.cumsum(expected[order]), np.linspace(0, 1, bins + 1)[1:-1])
+    bin_of = np.empty(len(expected), int)
+    bin_of[order] = np.searchsorted(edges, np.arange(len(expected)), side="right")
+    got = np.bincount(bin_of[tokens], minlength=bins) / len(tokens)
+    want = np.bincount(bin_of, weights=expected, minlength=bins)
+    return 0.5 * np.abs(got - want).sum()
 
 
 @pytest.fixture
@@ -23,8 +51,6 @@ def logits():
 
 def test_greedy_is_argmax(logits):
     assert (draw(logits, n=8, temperature=0.0) == logits.argmax()).all()
-    batch = SamplingBatch.build([SamplingParams()], [0], 1)
-    assert int(sample(jnp.asarray(logits)[None], batch, sampler="greedy")[0]) == logits.argmax()
 
 
 def test_top_k_restricts_support(logits):
@@ -49,13 +75,49 @@ def test_min_p_drops_unlikely_tokens(logits):
     assert got <= keep and len(got) > 1
 
 
-@pytest.mark.parametrize("sampler", ["softmax", "filtered"])
-def test_temperature_matches_softmax_distribution(logits, sampler):
+def test_temperature_matches_softmax_distribution(logits):
     n = 4000
-    got = draw(logits, n=n, sampler=sampler, temperature=0.7)
+    got = draw(logits, n=n, temperature=0.7)
     probs = np.asarray(jax.nn.softmax(jnp.asarray(logits) / 0.7))
     counts = np.bincount(got, minlength=len(logits)) / n
     assert 0.5 * np.abs(counts - probs).sum() < 0.05  # total variation
+
+
+# A vocabulary past CANDIDATES: with flat logits the kept tokens reach beyond the ranked
+# candidates, which the sampler reaches by rejection from the whole vocabulary
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0),                      # nothing filtered: every token
+    dict(temperature=2.0, top_p=0.7),           # a nucleus of about 1,100 tokens
+    dict(temperature=1.0, top_k=CANDIDATES + 200),
+    dict(temperature=1.0, min_p=0.05),
+    dict(temperature=0.3, top_p=0.9),           # peaked: inside the candidates
+    dict(temperature=0.5, top_k=40, top_p=0.8, min_p=0.02),
+])
+def test_draws_follow_the_kept_distribution_past_the_candidates(kw):
+    vocab, n = 4 * CANDIDATES + 3, 20_000
+    logits = np.random.default_rng(1).normal(size=vocab).astype(np.float32)
+    expected = kept_distribution(logits, **kw)
+    probs = np.asarray(token_probs(jnp.asarray(logits)[None], *(
+        jnp.asarray([kw.get(k, d)]) for k, d in (("temperature", 0.0), ("top_k", 0),
+                                                  ("top_p", 1.0), ("min_p", 0.0))),
+        sampler="filtered"))[0]
+    np.testing.assert_allclose(probs, expected, atol=2e-6)
+    tokens = draw(logits, n=n, **kw)
+    assert set(tokens) <= set(np.flatnonzero(expected))
+    assert total_variation_by_rank(tokens, expected) < 0.03
+    beyond = np.argsort(-logits)[CANDIDATES:]  # drawn past the candidates as often as kept
+    assert abs(np.isin(tokens, beyond).mean() - expected[beyond].sum()) < 0.015
+
+
+def test_tied_tokens_are_kept_or_dropped_together():
+    logits = np.array([3.0, 2.0, 2.0, 2.0, 1.0, 0.0], np.float32)
+    got = set(draw(logits, temperature=1.0, top_k=2))
+    assert got == {0, 1, 2, 3}  # three tied for second place: all kept, as transformers does
+    np.testing.assert_allclose(kept_distribution(logits, 1.0, top_k=2),
+                               np.asarray(token_probs(jnp.asarray(logits)[None],
+                                                      jnp.ones(1), jnp.full(1, 2),
+                                                      jnp.ones(1), jnp.zeros(1),
+                                                      sampler="filtered"))[0], atol=1e-6)
 
 
 def test_samplers_pick_the_cheapest_that_serves_the_batch():
@@ -68,14 +130,15 @@ def test_samplers_pick_the_cheapest_that_serves_the_batch():
 
 
 def test_seeded_rows_do_not_depend_on_batch(logits):
-    """Alone a row takes the softmax sampler; beside a top-k row, the sorting one. It
-    draws the same token either way (400 steps)."""
+    """A row draws the same token alone and beside a greedy and a top-k row (400
+    steps)."""
     a = SamplingParams(temperature=1.0, seed=7)
-    b = SamplingParams(temperature=1.0, seed=8, top_k=4)
-    rows = jnp.asarray(np.stack([logits, logits[::-1]]))
+    others = [SamplingParams(), SamplingParams(temperature=1.0, seed=8, top_k=4)]
+    rows = jnp.asarray(np.stack([logits, logits[::-1], logits[::2].repeat(2)]))
+    sample = jax.jit(sample_rows)
     for step in range(400):
-        together = sample(rows, SamplingBatch.build([a, b], [step, step], 2), sampler="filtered")
-        alone = sample(rows[:1], SamplingBatch.build([a], [step], 1), sampler="softmax")
+        together = sample(rows, SamplingBatch.build([a] + others, [step] * 3, 3))
+        alone = sample(rows[:1], SamplingBatch.build([a], [step], 1))
         assert int(together[0]) == int(alone[0])
 
 

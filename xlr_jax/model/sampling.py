@@ -97,53 +97,111 @@ class SamplingBatch:
             logprobs=np.array([p.logprobs is not None for p in params], bool))
 
 
-def _kept_sorted(logits, temperature, top_k, top_p, min_p):
-    """Scaled logits sorted descending, their order, and which survive the filters."""
-    vocab = logits.shape[-1]
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    order = jnp.argsort(-scaled)
-    sorted_logits = scaled[order]
-    probs = jax.nn.softmax(sorted_logits)
-    rank = jnp.arange(vocab)
-    keep = rank < jnp.where(top_k > 0, top_k, vocab)
-    keep &= (jnp.cumsum(probs) - probs) < top_p      # smallest set reaching top_p
-    keep &= probs >= min_p * probs[0]
-    keep = keep.at[0].set(True)
-    return order, sorted_logits, keep
+# Tokens a sampled row ranks (lax.top_k: 0.16 ms over 49,152 tokens on XLA:CPU, where
+# sorting them takes 11 ms). Top-k, top-p and min-p nearly always keep fewer (at
+# temperature 0.8 and top-p 0.95, 98% of the embedded model's steps), and an unfiltered
+# draw lands among them with the probability they hold (at least 0.91 in 9 steps of 10
+# at temperature 1): the rest draws from the whole vocabulary (`_sample_row`).
+CANDIDATES = 256
+
+
+def _ranked(scaled, count: int):
+    """The `count` largest of `scaled` [V] (descending), their ids and probabilities
+    under softmax(scaled), and for each how many tokens and how much probability lie
+    strictly above it (tied tokens count as one rank); and the log normalizer."""
+    values, ids = jax.lax.top_k(scaled, count)
+    log_total = jax.nn.logsumexp(scaled)
+    probs = jnp.exp(values - log_total)
+    first = jnp.searchsorted(-values, -values, side="left")  # its tie group's first
+    return ids, probs, first, (jnp.cumsum(probs) - probs)[first], log_total
+
+
+def _kept(probs, count_above, mass_above, p_max, top_k, top_p, min_p):
+    """Whether top-k, top-p and min-p keep a token of probability `probs`, with
+    `count_above` tokens and `mass_above` probability strictly above it. A filter keeps a
+    token only if it keeps every likelier one (so the kept tokens are a prefix of the
+    ranking), and tied tokens alike (the argsort they replace broke ties by index)."""
+    keep = (top_k == 0) | (count_above < top_k)
+    keep &= (top_p >= 1) | (mass_above < top_p)
+    return keep & (probs >= min_p * p_max)
 
 
 def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
-    order, sorted_logits, keep = _kept_sorted(logits, temperature, top_k, top_p, min_p)
-    # back in vocabulary order: an unfiltered row draws exactly what `_draw_row` draws
-    masked = jnp.full_like(sorted_logits, -jnp.inf).at[order].set(
-        jnp.where(keep, sorted_logits, -jnp.inf))
-    return _draw_row(masked, 1.0, seed, step)
-
-
-def _draw_row(logits, temperature, seed, step):
+    """A token of softmax(logits / temperature) under the row's filters (see `_kept`),
+    drawn by inverse CDF with uniforms of the row's key. When the filters keep fewer than
+    the CANDIDATES most likely tokens, among those; otherwise by rejection from the whole
+    vocabulary: a draw below the candidates' mass is a candidate (all kept), one above it
+    a token of the rest, kept or drawn again (expected tries: 1 / the kept mass)."""
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    ids, probs, count_above, mass_above, log_total = _ranked(scaled, min(CANDIDATES, vocab))
+    keep = _kept(probs, count_above, mass_above, probs[0], top_k, top_p, min_p)
     key = jax.random.fold_in(jax.random.key(seed), step)
-    return jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
+
+    def pick(cum, u, last):  # the first index whose cumulative mass passes u
+        return jnp.minimum(jnp.sum(cum <= u), last)
+
+    def among_candidates():
+        cum = jnp.cumsum(jnp.where(keep, probs, 0.0))
+        return ids[pick(cum, jax.random.uniform(key) * cum[-1], jnp.sum(keep) - 1)]
+
+    def whole_vocabulary():
+        cum = jnp.cumsum(probs)
+
+        def rest(u):
+            full = jnp.exp(scaled - log_total)
+            j = jnp.sum(jnp.cumsum(full.at[ids].set(0.0)) <= u - cum[-1])
+            token = jnp.minimum(j, vocab - 1)
+            above = scaled > scaled[token]
+            ok = _kept(full[token], jnp.sum(above), jnp.sum(jnp.where(above, full, 0.0)),
+                       probs[0], top_k, top_p, min_p)
+            return token, ok & (j < vocab)  # past the end: rounding, draw again
+
+        def attempt(state):
+            tries, _, _ = state
+            u = jax.random.uniform(jax.random.fold_in(key, tries))
+            token, ok = jax.lax.cond(u < cum[-1], lambda u: (ids[pick(cum, u, len(ids) - 1)],
+                                                             jnp.bool_(True)), rest, u)
+            return tries + 1, token, ok
+
+        return jax.lax.while_loop(lambda state: ~state[2], attempt,
+                                  (jnp.int32(0), ids[0], jnp.bool_(False)))[1]
+
+    if len(ids) == vocab:
+        return among_candidates()
+    return jax.lax.cond(keep[-1], whole_vocabulary, among_candidates)
 
 
-def _filtered_probs_row(logits, temperature, top_k, top_p, min_p):
-    order, sorted_logits, keep = _kept_sorted(logits, temperature, top_k, top_p, min_p)
-    kept = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
-    return jnp.zeros_like(kept).at[order].set(kept)
+def _kept_probs_row(logits, temperature, top_k, top_p, min_p):
+    """The distribution `_sample_row` draws from, as probabilities [V]: over the
+    candidates when the filters keep fewer, else over the whole (sorted) vocabulary."""
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+
+    def over(count):
+        ids, probs, count_above, mass_above, _ = _ranked(scaled, count)
+        keep = _kept(probs, count_above, mass_above, probs[0], top_k, top_p, min_p)
+        kept = jnp.where(keep, probs, 0.0)
+        return jnp.zeros(vocab, jnp.float32).at[ids].set(kept / kept.sum()), keep[-1]
+
+    probs, beyond = over(min(CANDIDATES, vocab))
+    if CANDIDATES >= vocab:
+        return probs
+    return jax.lax.cond(beyond, lambda: over(vocab)[0], lambda: probs)
 
 
 def token_probs(logits, temperature, top_k, top_p, min_p, *, sampler: str):
-    """The distribution `sample` draws from, as probabilities [R, V] for logits [R, V].
-
-    Greedy rows (temperature 0) are one-hot at the argmax; the static `sampler` (see
-    sampler_for) skips the softmax when every row is greedy and the sort unless some
-    row uses top-k/top-p/min-p. Speculative decoding compares these for the target
-    and the draft.
-    """
+    """The distribution `sample_rows` draws from, as probabilities [R, V] for logits
+    [R, V]. Greedy rows (temperature 0) are one-hot at the argmax; the static `sampler`
+    (see sampler_for) skips the softmax when every row is greedy and the filters unless
+    some row uses top-k/top-p/min-p. Speculative decoding compares these for the target
+    and the draft."""
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
     if sampler == "greedy":
         return greedy
-    if sampler == "filtered":
-        probs = jax.vmap(_filtered_probs_row)(logits, temperature, top_k, top_p, min_p)
+    if sampler == "filtered":  # row by row: each row's cond takes one branch
+        probs = jax.lax.map(lambda row: _kept_probs_row(*row),
+                            (logits, temperature, top_k, top_p, min_p))
     else:
         probs = jax.nn.softmax(logits / jnp.maximum(temperature, 1e-6)[:, None], axis=-1)
     return jnp.where((temperature > 0)[:, None], probs, greedy)
@@ -153,41 +211,24 @@ SAMPLERS = ("greedy", "softmax", "filtered")
 
 
 def sampler_for(params: list[SamplingParams]) -> str:
-    """The cheapest sampler a batch needs: argmax only, a plain softmax draw, or the
-    sorting one for top-k/top-p/min-p (a sort of the vocabulary per row)."""
+    """The cheapest `token_probs` a batch needs: one-hot argmaxes only, a plain softmax,
+    or the filtered one for top-k/top-p/min-p."""
     if all(p.greedy for p in params):
         return "greedy"
     return "filtered" if any(p.filtered for p in params if not p.greedy) else "softmax"
 
 
-def sample(logits, batch: SamplingBatch, *, sampler: str):
-    """Next token per row of `logits` [B, V] with the static `sampler` (see sampler_for)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if sampler == "greedy":
-        return greedy
-    if sampler == "softmax":
-        drawn = jax.vmap(_draw_row)(logits, batch.temperature, batch.seed, batch.step)
-    else:
-        drawn = jax.vmap(_sample_row)(logits, batch.temperature, batch.top_k, batch.top_p,
-                                      batch.min_p, batch.seed, batch.step)
-    return jnp.where(batch.temperature > 0, drawn.astype(jnp.int32), greedy)
-
-
 def sample_rows(logits, batch: SamplingBatch):
-    """Next token per row of `logits` [B, V], each row paying only for what it asks:
-    greedy rows an argmax, temperature rows a draw, top-k/top-p/min-p rows the sort
-    (rows run one by one, each through its own branch). Draws what `sample` draws."""
-    kind = jnp.where(batch.temperature == 0, 0,
-                     jnp.where((batch.top_k > 0) | (batch.top_p < 1) | (batch.min_p > 0), 2, 1))
-    branches = (lambda *a: jnp.argmax(a[0]).astype(jnp.int32),
-                lambda l, t, k, p, m, s, n: _draw_row(l, t, s, n).astype(jnp.int32),
-                lambda *a: _sample_row(*a).astype(jnp.int32))
-
+    """Next token per row of `logits` [B, V]: greedy rows (temperature 0) their argmax,
+    others a draw (see `_sample_row`). Rows run one by one, each through its own branch,
+    so a greedy row pays nothing for a sampled one beside it."""
     def row(args):
-        which, *values = args
-        return jax.lax.switch(which, branches, *values)
+        logits, temperature, *rest = args
+        return jax.lax.cond(temperature > 0,
+                            lambda: _sample_row(logits, temperature, *rest).astype(jnp.int32),
+                            lambda: jnp.argmax(logits).astype(jnp.int32))
 
-    return jax.lax.map(row, (kind, logits, batch.temperature, batch.top_k, batch.top_p,
+    return jax.lax.map(row, (logits, batch.temperature, batch.top_k, batch.top_p,
                              batch.min_p, batch.seed, batch.step))
 
 
