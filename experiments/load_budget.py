@@ -27,14 +27,12 @@ Run: python experiments/load_budget.py [--out experiments/results] [--budgets 24
 """
 from __future__ import annotations
 
-import argparse
-import threading
-import time
 import tomllib
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
+
+from xlr_jax.bench.load import experiment_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSAGE = Path(__file__).with_name("cpu_vs_transformers.toml")  # its [prompt] passage
@@ -45,57 +43,6 @@ FULL = dict(streams=6, stream_prompt=64, stream_tokens=224, newcomers=6, newcome
 QUICK = dict(streams=3, stream_prompt=16, stream_tokens=32, newcomers=2, newcomer_prompt=48,
              newcomer_tokens=4, gap_s=0.2, budgets=[24, 72], rounds=1, unloaded_tokens=8)
 MAX_RATIO = 3.0
-
-
-def prompts_of(model, lengths: list[int], seed: int) -> list[list[int]]:
-    """A prompt of each length: the passage's sentences reshuffled (`xlr bench`'s text
-    prompts), seed + i for the i-th."""
-    from xlr_jax.bench.engines import prompt_ids
-
-    passage = tomllib.loads(PASSAGE.read_text())["prompt"]["passage"]
-    encoder = SimpleNamespace(encode=lambda text: model.tokenizer.encode(
-        text, add_special_tokens=False))
-    return [prompt_ids({"kind": "text", "passage": passage, "seed": seed + i}, n, encoder)
-            for i, n in enumerate(lengths)]
-
-
-def token_times(handle, times: list[float]) -> None:
-    """Each token's arrival time, appended to `times` as it comes."""
-    for _ in handle.tokens():
-        times.append(time.perf_counter())
-
-
-def decode_gaps(model, streams: list[list[int]], n: int) -> dict:
-    """The streams decoding `n` tokens together, no newcomer: p50 and p99 of their gaps
-    once all of them decode (one stream: the unloaded ITL)."""
-    times = run_load(model, streams, [], {"stream_tokens": n})["streams"]
-    start = max(t[0] for t in times)
-    gaps = [b - a for t in times for a, b in zip(t, t[1:]) if a >= start]
-    return {"p50_s": float(np.percentile(gaps, 50)), "p99_s": float(np.percentile(gaps, 99))}
-
-
-def run_load(model, streams: list[list[int]], newcomers: list[list[int]], s: dict) -> dict:
-    """One run of the workload: every token's time, and each newcomer's arrival."""
-    stream_times = [[] for _ in streams]
-    newcomer_times, arrivals = [[] for _ in newcomers], []
-    threads = []
-
-    def start(times: list, ids: list[int], max_tokens: int) -> None:
-        handle = model.submit(ids, max_tokens=max_tokens, ignore_eos=True)
-        threads.append(threading.Thread(target=token_times, args=(handle, times)))
-        threads[-1].start()
-
-    for times, ids in zip(stream_times, streams):
-        start(times, ids, s["stream_tokens"])
-    while not all(stream_times):  # until every stream decodes
-        time.sleep(0.005)
-    for times, ids in zip(newcomer_times, newcomers):
-        arrivals.append(time.perf_counter())
-        start(times, ids, s["newcomer_tokens"])
-        time.sleep(s["gap_s"])
-    for t in threads:
-        t.join()
-    return {"streams": stream_times, "newcomers": newcomer_times, "arrivals": arrivals}
 
 
 def figures(raw: dict, unloaded: float) -> dict:
@@ -147,15 +94,9 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "experiments/results"))
+    ap = experiment_parser(__doc__, ROOT / "experiments/results")
     ap.add_argument("--budgets", type=int, nargs="+", help="max_step_tokens values to run")
-    ap.add_argument("--rounds", type=int, help="interleaved rounds (figures are medians)")
     ap.add_argument("--streams", type=int, help="running streams (default 6; 3 with --quick)")
-    ap.add_argument("--seed", type=int, default=0, help="the prompts' sentence order")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test")
-    ap.add_argument("--cache-dir", help="xlr-jax's cache folder (default ~/.cache/xlr-jax)")
     args = ap.parse_args(argv)
     s = dict(QUICK if args.quick else FULL)
     s["budgets"] = args.budgets or s["budgets"]
@@ -164,13 +105,15 @@ def main(argv=None) -> dict:
     s["seed"] = args.seed
 
     import xlr_jax
+    from xlr_jax.bench.load import decode_gaps, run_load, text_prompts
     from xlr_jax.bench.run import write_result
 
     model = xlr_jax.load_model("smollm2", dtype="float32", prefix_cache=False,
                                cache_dir=args.cache_dir)
     default = model.engine.max_step_tokens
-    prompts = prompts_of(model, [s["stream_prompt"]] * s["streams"]
-                         + [s["newcomer_prompt"]] * s["newcomers"], s["seed"])
+    passage = tomllib.loads(PASSAGE.read_text())["prompt"]["passage"]
+    prompts = text_prompts(model, passage, [s["stream_prompt"]] * s["streams"]
+                           + [s["newcomer_prompt"]] * s["newcomers"], s["seed"])
     streams, newcomers = prompts[:s["streams"]], prompts[s["streams"]:]
     warm = dict(s, newcomers=1, gap_s=0.0)
     for budget in s["budgets"]:  # compiles every shape the runs take (chunk sizes differ)

@@ -87,3 +87,21 @@ def test_load_budget_experiment_quick(tmp_path, cache_dir):
         assert f["itl_p99_over_unloaded"] == pytest.approx(f["itl_p99_s"] / r["unloaded_itl_s"])
         assert f["streams_decoding_at_end"] == r["settings"]["streams"]  # load held throughout
     assert next(tmp_path.glob("load_budget-*.png")).stat().st_size > 10_000
+
+
+def test_mixed_sampling_experiment_quick(tmp_path, cache_dir):
+    """experiments/mixed_sampling.py --quick: a step and the engine's greedy streams with
+    each mix of sampled, filtered, log-probability and speculating rows beside them,
+    against all greedy."""
+    r = run_quick("mixed_sampling.py", tmp_path, cache_dir)
+    assert r["experiment"] == "mixed_sampling" and r["quick"] and "sha" in r["git"]
+    mixes = list(r["mixes"])
+    assert list(r["engine"]) == mixes and list(r["step"]) == [
+        m for m in mixes if r["mixes"][m] is not None]  # speculation runs in the engine only
+    assert r["step"]["greedy"]["over_greedy"] == 1 == r["engine"]["greedy"]["itl_p50_over_greedy"]
+    for f in r["step"].values():
+        assert f["step_s"] > 0
+    for f in r["engine"].values():
+        assert 0 < f["itl_p50_s"] <= f["itl_p99_s"] and all(run["gaps"] > 0 for run in f["runs"])
+    worst = r["targets"]["worst_over_greedy"]
+    assert worst["value"] >= 1 and worst["pass"] == (worst["value"] <= worst["max"])

@@ -153,7 +153,8 @@ def test_invalid_values_are_refused(kw, word):
 
 
 def test_generation_is_reproducible_per_seed(model):
-    kw = dict(max_tokens=16, temperature=0.9, top_p=0.95, seed=11)
+    # EOS ignored: it is this raw prompt's likeliest first token (0.61 at this temperature)
+    kw = dict(max_tokens=16, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
     first = model.generate("Write a short poem about the sea.", **kw)
     again = model.generate("Write a short poem about the sea.", **kw)
     other = model.generate("Write a short poem about the sea.", **{**kw, "seed": 12})

@@ -97,6 +97,15 @@ class SamplingBatch:
             logprobs=np.array([p.logprobs is not None for p in params], bool))
 
 
+def argmax(logits):
+    """The first index of each row's largest value (jnp.argmax's result on finite
+    logits): one max and one min over [..., V], 6x faster on XLA:CPU than argmax's
+    paired (value, index) reduction (0.37 against 2.1 ms for 8 rows of 49,152)."""
+    vocab = logits.shape[-1]
+    first = jnp.where(logits == logits.max(-1, keepdims=True), jnp.arange(vocab), vocab)
+    return first.min(-1).astype(jnp.int32)
+
+
 # Tokens a sampled row ranks (lax.top_k: 0.16 ms over 49,152 tokens on XLA:CPU, where
 # sorting them takes 11 ms). Top-k, top-p and min-p nearly always keep fewer (at
 # temperature 0.8 and top-p 0.95, 98% of the embedded model's steps), and an unfiltered
@@ -112,7 +121,8 @@ def _ranked(scaled, count: int):
     values, ids = jax.lax.top_k(scaled, count)
     log_total = jax.nn.logsumexp(scaled)
     probs = jnp.exp(values - log_total)
-    first = jnp.searchsorted(-values, -values, side="left")  # its tie group's first
+    first = jnp.searchsorted(-values, -values, side="left",  # its tie group's first
+                             method="compare_all" if count <= CANDIDATES else "sort")
     return ids, probs, first, (jnp.cumsum(probs) - probs)[first], log_total
 
 
@@ -196,7 +206,7 @@ def token_probs(logits, temperature, top_k, top_p, min_p, *, sampler: str):
     (see sampler_for) skips the softmax when every row is greedy and the filters unless
     some row uses top-k/top-p/min-p. Speculative decoding compares these for the target
     and the draft."""
-    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    greedy = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
     if sampler == "greedy":
         return greedy
     if sampler == "filtered":  # row by row: each row's cond takes one branch
@@ -226,7 +236,7 @@ def sample_rows(logits, batch: SamplingBatch):
         logits, temperature, *rest = args
         return jax.lax.cond(temperature > 0,
                             lambda: _sample_row(logits, temperature, *rest).astype(jnp.int32),
-                            lambda: jnp.argmax(logits).astype(jnp.int32))
+                            lambda: argmax(logits))
 
     return jax.lax.map(row, (logits, batch.temperature, batch.top_k, batch.top_p,
                              batch.min_p, batch.seed, batch.step))
