@@ -76,7 +76,8 @@ def test_generate_says_when_smc_falls_back(cache_dir):
     stderr; SMC with an n-gram draft is refused before the model loads."""
     proc = run_cli("generate", "--max-tokens", "16", "--temperature", "0.8", "--cache-dir",
                    str(cache_dir), "--spec", "smc,draft=self:8,gamma=4,particles=2",
-                   "Tell me a story.")
+                   # mid-sentence: a first token of EOS would end it before any cycle
+                   "Once upon a time, in a small village by the sea, there lived")
     assert proc.returncode == 0, proc.stderr
     assert "SMC fell back to exact speculation: draft agreement" in proc.stderr
     bad = run_cli("generate", "--temperature", "0.8", "--spec", "smc,draft=ngram", "hi")
