@@ -120,6 +120,18 @@ def test_tied_tokens_are_kept_or_dropped_together():
                                                       sampler="filtered"))[0], atol=1e-6)
 
 
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=5.0, top_p=0.99),
+                                dict(temperature=1.0, min_p=0.0, top_k=CANDIDATES + 1)])
+def test_masked_tokens_are_never_drawn(kw):
+    """A logits processor's mask (-inf) leaves 5 tokens of a vocabulary past the
+    candidates: every draw is one of them, whatever the filters."""
+    logits = np.full(4 * CANDIDATES, -np.inf, np.float32)
+    allowed = np.random.default_rng(2).choice(len(logits), 5, replace=False)
+    logits[allowed] = np.random.default_rng(3).normal(size=5)
+    got = set(draw(logits, n=2000, **kw))
+    assert got == set(allowed)
+
+
 def test_samplers_pick_the_cheapest_that_serves_the_batch():
     greedy, plain, top_k = SamplingParams(), SamplingParams(temperature=1), SamplingParams(
         temperature=1, top_k=5)

@@ -130,10 +130,12 @@ def _kept(probs, count_above, mass_above, p_max, top_k, top_p, min_p):
     """Whether top-k, top-p and min-p keep a token of probability `probs`, with
     `count_above` tokens and `mass_above` probability strictly above it. A filter keeps a
     token only if it keeps every likelier one (so the kept tokens are a prefix of the
-    ranking), and tied tokens alike (the argsort they replace broke ties by index)."""
+    ranking), and tied tokens alike (as transformers' top-k). A token of probability 0
+    (a logit of -inf: masked) is never kept, so a draw clamped to the last kept token
+    still draws one the mask allows."""
     keep = (top_k == 0) | (count_above < top_k)
     keep &= (top_p >= 1) | (mass_above < top_p)
-    return keep & (probs >= min_p * p_max)
+    return keep & (probs >= min_p * p_max) & (probs > 0)
 
 
 def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
