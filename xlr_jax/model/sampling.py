@@ -106,6 +106,17 @@ def argmax(logits):
     return first.min(-1).astype(jnp.int32)
 
 
+def draw_from(key, probs):
+    """A token per row of `probs` [..., V] (rows of any positive total) by inverse CDF:
+    one uniform per row. A Gumbel per token (jax.random.categorical) costs 6x as much
+    on XLA:CPU: 9-11 against 1.4-1.6 ms for 16 rows of 49,152."""
+    cum = jnp.cumsum(probs, axis=-1)
+    u = jax.random.uniform(key, probs.shape[:-1]) * cum[..., -1]
+    token = jnp.sum(cum <= u[..., None], axis=-1).astype(jnp.int32)
+    # u rounded up to the total: past the end, the likeliest token instead
+    return jnp.where(token < probs.shape[-1], token, argmax(probs))
+
+
 # Tokens a sampled row ranks (lax.top_k: 0.16 ms over 49,152 tokens on XLA:CPU, where
 # sorting them takes 11 ms). Top-k, top-p and min-p nearly always keep fewer (at
 # temperature 0.8 and top-p 0.95, 98% of the embedded model's steps), and an unfiltered

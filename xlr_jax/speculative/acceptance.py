@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from xlr_jax.model.sampling import draw_from
+
 
 def accept_block(key, draft_tokens, q_probs, p_probs, num_draft=None):
     """Accept/reject one speculative block per sequence.
@@ -54,8 +56,7 @@ def accept_block(key, draft_tokens, q_probs, p_probs, num_draft=None):
     # a residual that is all zero (p == q) cannot happen after a rejection, but guard it
     residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_at)
     dist = jnp.where(all_in, p_at, residual)
-    next_token = jax.random.categorical(k_next, jnp.log(dist + 1e-38), axis=-1)
-    return accepted, next_token.astype(jnp.int32)
+    return accepted, draw_from(k_next, dist)
 
 
 def accept_by_matching(drawn, draft_tokens, num_draft, xp=jnp):

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from xlr_jax.errors import InvalidRequestError
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import Params, forward, lm_head
-from xlr_jax.model.sampling import SamplingBatch, sample_rows, token_probs
+from xlr_jax.model.sampling import SamplingBatch, draw_from, sample_rows, token_probs
 from xlr_jax.speculative.acceptance import accept_block, accept_by_matching
 from xlr_jax.speculative.drafts import ngram_propose
 
@@ -207,8 +207,7 @@ def _probs(logits, sampling: SamplingBatch, sampler: str):
 
 
 def _draw(keys, probs):
-    return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p + 1e-38)))(
-        keys, probs).astype(jnp.int32)
+    return jax.vmap(draw_from)(keys, probs)
 
 
 def _run_draft(dparams, dkv, last, positions, num_draft, block_tables, sampling, keys, *,
