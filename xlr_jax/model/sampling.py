@@ -161,12 +161,8 @@ def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
     keep = _kept(probs, count_above, mass_above, probs[0], top_k, top_p, min_p)
     key = jax.random.fold_in(jax.random.key(seed), step)
 
-    def pick(cum, u, last):  # the first index whose cumulative mass passes u
-        return jnp.minimum(jnp.sum(cum <= u), last)
-
     def among_candidates():
-        cum = jnp.cumsum(jnp.where(keep, probs, 0.0))
-        return ids[pick(cum, jax.random.uniform(key) * cum[-1], jnp.sum(keep) - 1)]
+        return ids[draw_from(key, jnp.where(keep, probs, 0.0))]
 
     def whole_vocabulary():
         cum = jnp.cumsum(probs)
@@ -183,7 +179,8 @@ def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
         def attempt(state):
             tries, _, _ = state
             u = jax.random.uniform(jax.random.fold_in(key, tries))
-            token, ok = jax.lax.cond(u < cum[-1], lambda u: (ids[pick(cum, u, len(ids) - 1)],
+            # below the candidates' mass: the first candidate whose cumulative mass passes u
+            token, ok = jax.lax.cond(u < cum[-1], lambda u: (ids[jnp.sum(cum <= u)],
                                                              jnp.bool_(True)), rest, u)
             return tries + 1, token, ok
 
@@ -243,8 +240,9 @@ def sampler_for(params: list[SamplingParams]) -> str:
 
 def sample_rows(logits, batch: SamplingBatch):
     """Next token per row of `logits` [B, V]: greedy rows (temperature 0) their argmax,
-    others a draw (see `_sample_row`). Rows run one by one, each through its own branch,
-    so a greedy row pays nothing for a sampled one beside it."""
+    others a draw (see `_sample_row`). Rows run one by one, each through its own branch:
+    a greedy row costs the step its argmax, a sampled row its draw (about 0.3 ms more on
+    XLA:CPU, experiments/mixed_sampling.py), never a sort of the vocabulary."""
     def row(args):
         logits, temperature, *rest = args
         return jax.lax.cond(temperature > 0,
