@@ -19,7 +19,11 @@ the sampler's 256 ranked candidates in about a quarter of its steps); top-k 40 w
 0.05 at temperature 0.7; top-p 0.95 at temperature 2 (past the candidates nearly always:
 the sampler's rejection path); greedy with 5 log-probabilities; and, in the engine only,
 exact speculation with the n-gram draft (one request in place of the half, verifying up
-to `rows / 2 - 1` drafts as rows of the same step).
+to `rows / 2 - 1` drafts as rows of the same step); and all of them at once ("together":
+in the step, the sampled half's rows take top-p, top-k + min-p, top-p at temperature 2
+and log-probabilities in turn; in the engine, half of that half are top-p and top-k +
+min-p streams and one speculating request verifies its drafts in the rest of the step,
+greedy beside top-p beside speculative verify, as the issue words it).
 Target: every mix within 5% of all-greedy, step time and greedy ITL p50 alike.
 Writes JSON (environment, git sha, plan).
 
@@ -51,8 +55,18 @@ MIXES = {
     "top_p_hot": dict(temperature=2.0, top_p=0.95),
     "logprobs": dict(logprobs=5),
     "ngram_speculation": None,  # engine only (see `engine_kwargs`)
+    "together": ("top_p", "top_k_min_p", "top_p_hot", "logprobs"),  # its rows' mixes
     "greedy_again": {},
 }
+SPECULATION = {"method": "exact", "draft": "ngram"}
+
+
+def sampled_rows(mix: str, n: int) -> list[dict]:
+    """The `SamplingParams` arguments of a mix's `n` sampled rows (not greedy ones)."""
+    kw = MIXES[mix]
+    if isinstance(kw, tuple):  # "together": its mixes in turn
+        return [MIXES[kw[j % len(kw)]] for j in range(n)]
+    return [kw] * n
 
 
 def step_batches(model, s: dict) -> dict:
@@ -67,14 +81,15 @@ def step_batches(model, s: dict) -> dict:
     tokens = np.random.default_rng(s["seed"]).integers(engine.config.vocab_size, size=s["rows"])
     greedy = s["rows"] - s["rows"] // 2
 
-    def batch(kwargs: dict, step: int):
+    def batch(mix: str, step: int):
         builder = engine.steps.builder(s["rows"], 0)
-        for j in range(s["rows"]):
-            params = SamplingParams(**(kwargs if j >= greedy else {}), seed=j)
+        rows = [{}] * greedy + sampled_rows(mix, s["rows"] - greedy)
+        for j, kwargs in enumerate(rows):
+            params = SamplingParams(**kwargs, seed=j)
             builder.decode(int(tokens[j]), s["position"], tables[j], params, step)
         return builder.build()
 
-    return {mix: (lambda step, kw=kw: batch(kw, step)) for mix, kw in MIXES.items()
+    return {mix: (lambda step, mix=mix: batch(mix, step)) for mix, kw in MIXES.items()
             if kw is not None}
 
 
@@ -106,13 +121,19 @@ def time_steps(model, s: dict) -> dict:
 def engine_kwargs(s: dict) -> dict:
     """Per engine mix: the `Model.submit` arguments of each stream."""
     greedy = s["rows"] - s["rows"] // 2
+    n = s["rows"] - greedy
     mixes = {}
     for mix, kw in MIXES.items():
         if kw is None:  # one speculating request fills the other half with its drafts
-            spec = {"method": "exact", "draft": "ngram", "gamma": max(1, s["rows"] // 2 - 1)}
+            spec = dict(SPECULATION, gamma=max(1, n - 1))
             mixes[mix] = [{}] * greedy + [{"speculative": spec}]
+        elif isinstance(kw, tuple):  # sampled streams, then a speculating request
+            sampled = [dict(a, seed=j) for j, a in enumerate(sampled_rows(mix, n // 2))]
+            spec = dict(SPECULATION, gamma=max(1, n - n // 2 - 1))
+            mixes[mix] = [{}] * greedy + sampled + [{"speculative": spec}]
         else:
-            mixes[mix] = [{}] * greedy + [dict(kw, seed=j) for j in range(s["rows"] - greedy)]
+            mixes[mix] = [{}] * greedy + [dict(a, seed=j)
+                                          for j, a in enumerate(sampled_rows(mix, n))]
     return mixes
 
 

@@ -98,6 +98,7 @@ def test_mixed_sampling_experiment_quick(tmp_path, cache_dir):
     mixes = list(r["mixes"])
     assert list(r["engine"]) == mixes and list(r["step"]) == [
         m for m in mixes if r["mixes"][m] is not None]  # speculation runs in the engine only
+    assert "together" in r["step"] and "together" in r["engine"]  # every kind in one step
     assert r["step"]["greedy"]["over_greedy"] == 1 == r["engine"]["greedy"]["itl_p50_over_greedy"]
     for f in r["step"].values():
         assert f["step_s"] > 0
