@@ -106,3 +106,24 @@ def test_mixed_sampling_experiment_quick(tmp_path, cache_dir):
         assert 0 < f["itl_p50_s"] <= f["itl_p99_s"] and all(run["gaps"] > 0 for run in f["runs"])
     worst = r["targets"]["worst_over_greedy"]
     assert worst["value"] >= 1 and worst["pass"] == (worst["value"] <= worst["max"])
+
+
+def test_decode_attention_floor_experiment_quick(tmp_path, cache_dir):
+    """experiments/decode_attention_floor.py --quick: one row's attention over every layer,
+    the read floor of its bytes, the step and its roofline shares, and the overlap check."""
+    r = run_quick("decode_attention_floor.py", tmp_path, cache_dir)
+    assert r["experiment"] == "decode_attention_floor" and r["quick"] and "sha" in r["git"]
+    gb_s = r["bandwidth"]["read_bandwidth_gb_per_s"]
+    assert list(r["positions"]) == [str(p) for p in r["settings"]["positions"]]
+    for position, f in r["positions"].items():
+        assert f["kv_bytes"] == r["kv_bytes_per_position"] * (int(position) + 1)
+        assert f["at_bandwidth_s"] == pytest.approx(f["kv_bytes"] / (gb_s * 1e9))
+        assert 0 < f["read_floor_s"] and 0 < f["attention_s"] < f["step_s"]
+        roof = (r["weight_bytes_per_token"] + f["kv_bytes"]) / (gb_s * 1e9)
+        assert f["roofline_share"] == pytest.approx(roof / f["step_s"])
+        assert f["roofline_share_attention_at_bandwidth"] == pytest.approx(
+            roof / (f["step_s"] - f["attention_s"] + f["at_bandwidth_s"]))
+    o = r["overlap"]
+    assert min(o["product_s"], o["gather_s"], o["both_s"]) > 0
+    assert o["overlap_share"] == pytest.approx(
+        (o["product_s"] + o["gather_s"] - o["both_s"]) / min(o["product_s"], o["gather_s"]))
