@@ -1,18 +1,21 @@
-"""Why batch-1 decode stops short of the bandwidth roofline on XLA:CPU (issue 15,
-target 2): what one row's attention costs against the cheapest XLA op that reads the
-same bytes, and whether XLA:CPU overlaps independent ops.
+"""What one row's decode attention costs on XLA:CPU (issue 15, target 2): the XLA walk
+and the CPU kernel against the cheapest XLA op that reads the same bytes and against
+the bandwidth, the step's share of the roofline, and whether XLA:CPU overlaps
+independent ops.
 
 At each position, for the embedded model's real KV layout and plan:
 
-1. `attention_s`: one row's decode attention over every layer (a jitted scan, the call
-   the model's step makes: the blocked walk over the row's pages).
+1. `attention_s`: one row's decode attention over every layer (a jitted scan) by the XLA
+   walk over the row's pages; `kernel_s` by the CPU decode kernel (`ops.cpu_attention`,
+   an XLA custom call), when it builds.
 2. `read_floor_s`: one `sum` over each layer's K and over its V, the same number of
    pages lying contiguous: the cheapest XLA op that reads those bytes, one per array and
    layer, as the walk must run layer by layer.
 3. `at_bandwidth_s`: the same bytes at the read bandwidth measured here (a 1 GiB pass).
-4. `step_s`: the compiled 1-row decode step at that position, and its share of the
-   roofline (weights + KV bytes at the measured bandwidth), as measured and with its
-   attention at `at_bandwidth_s` instead (the best a fused kernel could give).
+4. `step_s`: the compiled 1-row decode step at that position (with the plan's attention,
+   `attn_impl`), and its share of the roofline (weights + KV bytes at the measured
+   bandwidth), as measured and with its attention at `at_bandwidth_s` instead (the best
+   any attention could give).
 
 And the overlap check: one layer's MLP-sized weight product and one layer's page gather,
 independent of each other in one scan body, timed alone and together; `overlap_share`
@@ -58,7 +61,7 @@ def attention_fns(model, position: int):
     import jax
     import jax.numpy as jnp
 
-    from xlr_jax.ops import paged_attention
+    from xlr_jax.ops import cpu_attention, paged_attention
 
     engine, c = model.engine, model.engine.config
     kv, buckets = engine.kv, engine.steps.buckets
@@ -75,9 +78,10 @@ def attention_fns(model, position: int):
             return jax.lax.scan(body, jnp.zeros_like(q), jnp.arange(c.num_layers))[0]
         return jax.jit(run)
 
-    def attention(q, k, v, layer):
-        return paged_attention(q, (k, v), table, lengths, q_pos, layer=layer, impl="xla",
-                               pages_per_block=buckets.attn_block)
+    def attention(impl):
+        return lambda q, k, v, layer: paged_attention(
+            q, (k, v), table, lengths, q_pos, layer=layer, impl=impl,
+            pages_per_block=buckets.attn_block)
 
     def read_floor(q, k, v, layer):
         size = (1, seen, *k.shape[2:])
@@ -86,7 +90,10 @@ def attention_fns(model, position: int):
                            + jax.lax.dynamic_slice(v, at, size).sum())
 
     args = (q, jnp.array(kv.k), jnp.array(kv.v))  # copies: the step donates the KV
-    return {"attention": over_layers(attention), "read_floor": over_layers(read_floor)}, args
+    fns = {"attention": over_layers(attention("xla")), "read_floor": over_layers(read_floor)}
+    if cpu_attention.build_error() is None:
+        fns["kernel"] = over_layers(attention("cpu"))
+    return fns, args
 
 
 def step_fn(model, position: int):
@@ -157,6 +164,7 @@ def main(argv=None) -> dict:
     runner = XlrRunner("xlr-jax", model.engine, {})  # the roofline's byte counts
     bandwidth = measure_bandwidth("read", 1.0, s["bandwidth_runs"])
     gb_s = bandwidth["read_bandwidth_gb_per_s"]
+    impl = model.plan.attn_impl
     figures = {}
     for position in s["positions"]:
         fns, fn_args = attention_fns(model, position)
@@ -167,27 +175,31 @@ def main(argv=None) -> dict:
         kv_bytes = runner.kv_bytes_per_position * (position + 1)
         at_bandwidth = kv_bytes / (gb_s * 1e9)
         roof = (runner.weight_bytes_per_token + kv_bytes) / (gb_s * 1e9)
+        in_step = t["kernel" if impl == "cpu" else "attention"]  # the step's attention
         figures[str(position)] = {
             "kv_bytes": kv_bytes, "attention_s": t["attention"],
+            **({"kernel_s": t["kernel"], "kernel_over_attention": t["kernel"] / t["attention"],
+                "kernel_over_bandwidth": t["kernel"] / at_bandwidth} if "kernel" in t else {}),
             "read_floor_s": t["read_floor"], "at_bandwidth_s": at_bandwidth,
             "attention_over_read_floor": t["attention"] / t["read_floor"],
             "attention_over_bandwidth": t["attention"] / at_bandwidth,
             "step_s": t["step"], "roofline_step_s": roof,
             "roofline_share": roof / t["step"],
             "roofline_share_attention_at_bandwidth":
-                roof / (t["step"] - t["attention"] + at_bandwidth)}
+                roof / (t["step"] - in_step + at_bandwidth)}
     result = {"settings": s, "bandwidth": bandwidth,
               "weight_bytes_per_token": runner.weight_bytes_per_token,
               "kv_bytes_per_position": runner.kv_bytes_per_position,
-              "attn_block_pages": model.engine.steps.buckets.attn_block,
+              "attn_block_pages": model.engine.steps.buckets.attn_block, "attn_impl": impl,
               "positions": figures, "overlap": overlap(model, s["positions"][1], s["rounds"])}
     model.shutdown()
     path = write_result(args.out, "decode_attention_floor", result, quick=args.quick)
     print(f"read bandwidth {gb_s:.1f} GB/s; ms over every layer:")
-    print(f"{'position':>8} {'attention':>9} {'floor':>6} {'at bw':>6} {'step':>6} "
-          f"{'roofline':>8} {'if attn at bw':>13}")
+    print(f"{'position':>8} {'XLA walk':>9} {'kernel':>6} {'floor':>6} {'at bw':>6} "
+          f"{'step':>6} {'roofline':>8} {'if attn at bw':>13}   (step: attn_impl {impl})")
     for position, f in figures.items():
-        print(f"{position:>8} {f['attention_s'] * 1e3:9.2f} {f['read_floor_s'] * 1e3:6.2f} "
+        kernel = f"{f['kernel_s'] * 1e3:6.2f}" if "kernel_s" in f else f"{'-':>6}"
+        print(f"{position:>8} {f['attention_s'] * 1e3:9.2f} {kernel} {f['read_floor_s'] * 1e3:6.2f} "
               f"{f['at_bandwidth_s'] * 1e3:6.2f} {f['step_s'] * 1e3:6.1f} "
               f"{f['roofline_share']:8.2f} {f['roofline_share_attention_at_bandwidth']:13.2f}")
     o = result["overlap"]

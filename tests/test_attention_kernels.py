@@ -14,6 +14,10 @@ Tolerances, max |out - ref| / max |ref|:
 import functools
 import importlib.util
 import json
+import os
+import shutil
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -30,7 +34,7 @@ from xlr_jax.kv.paged_kv import quantize_kv
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import Params
 from xlr_jax.model.sampling import SamplingParams
-from xlr_jax.ops import paged_attention
+from xlr_jax.ops import cpu_attention, paged_attention
 from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas
 from xlr_jax.runtime.engine import Engine
 
@@ -99,7 +103,7 @@ def check_both(q, k, v, tables, lengths, positions, *, window=None, dtype=jnp.fl
                           sequence_cache(v, tables), np.asarray(lengths), np.asarray(positions),
                           window)
     outs = {}
-    for impl in ("pallas", "xla", "xla-blocked"):
+    for impl in ("pallas", "xla", "xla-blocked", "cpu"):
         out = paged_attention(q, (k, v), tables, lengths, positions, sliding_window=window,
                               **_impl_args(impl, tables))
         assert out.shape == q.shape and out.dtype == q.dtype
@@ -111,7 +115,10 @@ def check_both(q, k, v, tables, lengths, positions, *, window=None, dtype=jnp.fl
 
 def _impl_args(impl: str, tables) -> dict:
     """paged_attention's arguments for `impl`; "xla-blocked" walks the block table
-    2 pages at a time (1 when its width is odd): the engine's ragged step path."""
+    2 pages at a time (1 when its width is odd): the engine's ragged step path; "cpu" is
+    the CPU kernel for one f32 query per row, that walk for the rest."""
+    if impl == "cpu":
+        return dict(impl="cpu", pages_per_block=2 if tables.shape[1] % 2 == 0 else 1)
     if impl == "xla-blocked":
         return dict(impl="xla", pages_per_block=2 if tables.shape[1] % 2 == 0 else 1)
     return dict(impl=impl)
@@ -194,6 +201,80 @@ def test_blocked_walk_reads_every_page_count_exactly(window):
             ref = dense_attention(q, sequence_cache(k, tables), sequence_cache(v, tables),
                                   np.asarray(lens), np.asarray(positions), window)
             assert rel_err(out, ref) < TOL[jnp.float32], (q_len, lengths)
+
+
+def test_cpu_kernel_builds_where_a_compiler_is():
+    """The CPU kernel is built and registered wherever a C++ compiler is found (CI has
+    one), so the "cpu" cases above run it rather than falling back to the XLA walk."""
+    if shutil.which("c++") or shutil.which("g++"):
+        assert cpu_attention.build_error() is None
+    assert cpu_attention.library_path("c++").parent.name == "kernels"
+
+
+@pytest.mark.parametrize("head_dim", cpu_attention.HEAD_DIMS)
+def test_cpu_kernel_every_group_and_head_dim(head_dim):
+    """Decode through the CPU kernel for 1 to 8 query heads a KV head: rows of different
+    lengths (one that sees nothing: zeros), shared and scrambled pages, partial pages,
+    a sliding window, and the layer picked from every layer's pool."""
+    if cpu_attention.build_error() is not None:
+        pytest.skip(cpu_attention.build_error())
+    for group in range(1, cpu_attention.MAX_GROUP + 1):
+        rng = np.random.default_rng(group * 1000 + head_dim)
+        for window in (None, 19):
+            q, k, v, tables, lengths, positions = make_case(
+                int(rng.integers(1 << 30)), batch=4, q_len=1, heads=2 * group, kv_heads=2,
+                head_dim=head_dim, page_size=8, lengths=[1, 9, 30, 47], table_width=6)
+            positions = positions.at[0, 0].set(-1)  # a padding row: sees nothing
+            assert cpu_attention.supports(q.shape, (k, v))
+            k_all, v_all = jnp.stack([v, k]), jnp.stack([k, v])
+            out = paged_attention(q, (k_all, v_all), tables, lengths, positions, layer=1,
+                                  sliding_window=window, impl="cpu")
+            ref = dense_attention(q, sequence_cache(k, tables), sequence_cache(v, tables),
+                                  np.asarray(lengths), np.asarray(positions), window)
+            assert rel_err(out, ref) < TOL[jnp.float32], (group, window)
+            assert not np.asarray(out[0]).any()
+
+
+def test_cpu_kernel_declines_what_it_does_not_take():
+    """Quantized pages, bf16 pages and a head dim outside its list take the XLA walk."""
+    q, k, v, *_ = make_case(4, batch=1, q_len=1, heads=4, kv_heads=2, head_dim=64,
+                            page_size=8, lengths=[5], table_width=1)
+    assert cpu_attention.supports(q.shape, (k, v))
+    assert not cpu_attention.supports(q.shape, (k, v), kv_scales=(k[..., 0], v[..., 0]))
+    assert not cpu_attention.supports(q.shape, (k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)))
+    assert not cpu_attention.supports((1, 1, 4, 48), (k[..., :48], v[..., :48]))
+    assert not cpu_attention.supports((1, 1, 18, 64), (k, v))  # 9 query heads a KV head
+
+
+def test_cpu_kernel_build_failure_keeps_the_xla_walk(tmp_path):
+    """No compiler (CXX points nowhere, an empty kernel cache): build_error says why, the
+    CPU plan keeps the XLA walk and says so, and impl="cpu" still answers, by that walk."""
+    script = """
+import json
+import jax.numpy as jnp
+from xlr_jax.model.config import ModelConfig
+from xlr_jax.ops import cpu_attention, paged_attention
+from xlr_jax.planning.hardware import HardwareProfile
+from xlr_jax.planning.mapper import plan
+config = ModelConfig("llama", 512, 128, 2, 4, 2, 64, 256, 1e-5, 1e4, 256, tie_embeddings=True)
+hw = HardwareProfile("cpu", "cpu", 1, 8 * 10**9, 8 * 10**9, None, 16, 1000.0, 100.0, "table")
+p = plan(hw, config)
+q = jnp.ones((1, 1, 4, 64))
+pages = jnp.ones((3, 2, 8, 64))
+out = paged_attention(q, (pages, pages), jnp.zeros((1, 2), jnp.int32), jnp.array([5]),
+                      jnp.array([[4]]), impl="cpu", pages_per_block=1)
+print(json.dumps({"error": cpu_attention.build_error(), "impl": p.attn_impl,
+                  "why": p.reasons["attn_impl"], "out": float(out.sum())}))
+"""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"),
+           "XLR_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "no-such-compiler" in r["error"] and "failed" in r["error"]
+    assert r["impl"] == "xla" and "decode kernel is off" in r["why"]
+    assert r["out"] == pytest.approx(4 * 64)  # ones attending over ones
 
 
 def test_padding_query_that_sees_nothing_is_zero():
@@ -283,7 +364,7 @@ def test_stacked_layers_read_in_place():
         9, batch=2, q_len=2, heads=4, kv_heads=2, head_dim=64, page_size=8,
         lengths=[30, 17], table_width=4)
     k_all, v_all = jnp.stack([v, k, k]), jnp.stack([k, v, k])
-    for impl in ("pallas", "xla", "xla-blocked"):
+    for impl in ("pallas", "xla", "xla-blocked", "cpu"):
         args = _impl_args(impl, tables)
         one = paged_attention(q, (k, v), tables, lengths, positions, **args)
         out = paged_attention(q, (k_all, v_all), tables, lengths, positions, layer=1, **args)
@@ -335,6 +416,32 @@ def test_model_logits_same_through_either_impl(tiny_params, window):
         tokens[impl] = done[0].token_ids
     assert rel_err(logits["pallas"], logits["xla"]) < 1e-4
     assert tokens["pallas"] == tokens["xla"]
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_model_decodes_the_same_through_the_cpu_kernel(window):
+    """Two prompts decoding side by side (2-row decode steps, 60 tokens each past a
+    40-token prompt: pages fill and the window slides) through the CPU kernel and through
+    the XLA walk: the same greedy tokens, log-probabilities within 1e-4."""
+    if cpu_attention.build_error() is not None:
+        pytest.skip(cpu_attention.build_error())
+    config = ModelConfig(**{**TINY.__dict__, "head_dim": 64, **(
+        {} if window is None else {"architecture": "mistral", "sliding_window": window})})
+    params = jax.tree.map(lambda a: a * 10 if a.ndim == 2 else a,
+                          random_params(config, jnp.float32, seed=5))
+    rng = np.random.default_rng(6)
+    prompts = [[int(t) for t in rng.integers(0, 512, n)] for n in (40, 23)]
+    sampling = [SamplingParams(max_tokens=60, ignore_eos=True, logprobs=0)] * 2
+    done = {}
+    for impl in ("xla", "cpu"):
+        engine = tiny_engine(params, config, attn_impl=impl)
+        done[impl] = dict((i, r) for i, _, r in engine.run(prompts, sampling) if r is not None)
+        assert sorted(done[impl]) == [0, 1]
+    for i in (0, 1):
+        a, b = done["xla"][i], done["cpu"][i]
+        assert len(a.token_ids) == 60 and a.token_ids == b.token_ids
+        np.testing.assert_allclose([x["logprob"] for x in a.logprobs],
+                                   [x["logprob"] for x in b.logprobs], atol=1e-4)
 
 
 # logits error of quantized KV on this sharp random model: int8 measured 0.06, fp8 e4m3 0.20

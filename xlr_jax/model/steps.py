@@ -22,6 +22,7 @@ from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import Params, forward, forward_step, lm_head
 from xlr_jax.model.executables import ExecutableStore, compile_fresh
 from xlr_jax.model.sampling import row_logprobs, sample_rows
+from xlr_jax.ops import cpu_attention
 from xlr_jax.planning.mapper import Buckets, pick_bucket
 from xlr_jax.runtime.step_batch import StepBatch, StepBuilder
 
@@ -70,6 +71,8 @@ class Steps:
                  compiler_options: dict | None = None):
         self.config, self.buckets, self.attn_impl = config, buckets, attn_impl
         self.compiler_options = compiler_options or {}
+        if attn_impl == "cpu":  # registered before a stored executable that calls it runs
+            cpu_attention.build_error()
         # the step is lowered and compiled per instance, ahead of time (`_executable`)
         self._step = jax.jit(partial(_step, pages_per_block=buckets.attn_block,
                                      reduce_rows=buckets.reduce_rows, config=config,

@@ -1,7 +1,8 @@
 """Attention kernels behind one entry point, and their pure-JAX references.
 
 The Pallas kernel itself is in `xlr_jax.ops.pallas_attention`, imported only where it runs:
-Pallas and Triton add ~0.1 s to every start.
+Pallas and Triton add ~0.1 s to every start. The CPU's decode kernel (an XLA custom call
+built from `decode_attention.cc` on first use) is in `xlr_jax.ops.cpu_attention`.
 """
 from xlr_jax.ops.paged_attention import (IMPLS, paged_attention, paged_attention_xla,
                                          resolve_impl, walk_sizes)

@@ -19,8 +19,10 @@ head (GQA): head h reads KV head h // (num_heads // kv_heads). A query that sees
 no position (padding) returns zeros.
 
 impl: "xla" is the pure-JAX reference below; "pallas" the kernel in
-`pallas_attention` (interpret mode off the GPU); "auto" is Pallas on GPU and
-XLA elsewhere (XLA:CPU runs the reference faster than interpreted kernels).
+`pallas_attention` (interpret mode off the GPU); "cpu" the CPU's decode kernel in
+`cpu_attention` (an XLA custom call) for one query per row, the XLA path for the
+rest; "auto" is Pallas on GPU and XLA elsewhere (XLA:CPU runs the reference faster
+than interpreted kernels; the plan picks "cpu" when its kernel builds).
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "pallas", "xla")
+from xlr_jax.ops import cpu_attention
+
+IMPLS = ("auto", "pallas", "xla", "cpu")
 
 
 def resolve_impl(impl: str) -> str:
@@ -56,6 +60,13 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
         if q.ndim != 4 or q_positions is None or q_positions.shape != q.shape[:2]:
             raise ValueError("padded attention takes q [batch, q_len, heads, dim] and "
                              "q_positions [batch, q_len]; pass cu_q_lens for ragged q")
+        if impl == "cpu":
+            if q.shape[1] == 1 and cpu_attention.supports(q.shape, kv_pages, kv_scales) \
+                    and cpu_attention.build_error() is None:
+                return cpu_attention.decode_attention(q, kv_pages, block_tables, lengths,
+                                                      q_positions, layer=layer,
+                                                      sliding_window=sliding_window)
+            impl = "xla"  # a chunk, or pages the kernel does not take: the XLA walk
         if impl == "xla" and pages_per_block:
             return paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions,
                                            pages_per_block=pages_per_block,
@@ -73,6 +84,7 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
                               max_q_len=q_len, kv_scales=kv_scales, layer=layer,
                               sliding_window=sliding_window, impl=impl)
         return out.reshape(q.shape)
+    impl = "xla" if impl == "cpu" else impl  # ragged q: the CPU kernel takes padded decode
     if q.ndim != 3 or cu_q_lens.shape != (block_tables.shape[0] + 1,):
         raise ValueError("ragged attention takes q [tokens, heads, dim] and cu_q_lens "
                          "[batch + 1]")

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from xlr_jax.errors import PlanError
 from xlr_jax.kv.paged_kv import is_quantized
 from xlr_jax.model.config import ModelConfig
-from xlr_jax.ops import IMPLS, walk_sizes
+from xlr_jax.ops import IMPLS, cpu_attention, walk_sizes
 from xlr_jax.planning.hardware import HardwareProfile
 
 log = logging.getLogger(__name__)
@@ -222,6 +222,20 @@ def activation_bytes(config: ModelConfig, max_batch: int, chunk: int, max_contex
     return tokens * per_token + chunk * config.vocab_size * 4
 
 
+def _cpu_impl(config: ModelConfig, kv_dtype: str, page_size: int) -> tuple[str, str]:
+    """The CPU's attention: its decode kernel where it builds and takes the model's pages
+    (chunks take the XLA walk), else the XLA walk throughout; and why."""
+    group = config.num_heads // config.num_kv_heads
+    takes = cpu_attention.takes(config.head_dim, group, page_size, kv_dtype)
+    why = None if takes else (f"head dim {config.head_dim}, {group} query heads a KV head, "
+                              f"{page_size}-slot {kv_dtype} pages")
+    why = why or cpu_attention.build_error()
+    if why is None:
+        return "cpu", ("CPU: the decode-attention kernel (an XLA custom call, "
+                       "experiments/decode_attention_floor.py), the XLA walk for chunks")
+    return "xla", f"CPU: the XLA walk (the decode kernel is off: {why})"
+
+
 def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Workload(),
          *, dtype: str | None = None, kv_dtype: str | None = None, page_size: int | None = None,
          num_pages: int | None = None, attn_impl: str = "auto",
@@ -276,10 +290,12 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         if value < 1:
             raise PlanError(f"{name} must be a positive integer (got {value})")
 
-    impl = choose("attn_impl", None if attn_impl == "auto" else attn_impl,
-                  "pallas" if gpu else "xla",
-                  "GPU: the Pallas paged-attention kernel" if gpu else
-                  "CPU: the XLA reference (Pallas runs only interpreted here)")
+    if gpu:
+        default_impl, impl_reason = "pallas", "GPU: the Pallas paged-attention kernel"
+    else:
+        default_impl, impl_reason = _cpu_impl(config, kv, ps)
+    impl = choose("attn_impl", None if attn_impl == "auto" else attn_impl, default_impl,
+                  impl_reason)
     if impl not in IMPLS[1:]:
         raise PlanError(f"attn_impl {impl!r} is not supported; choose one of {IMPLS}")
 
