@@ -54,7 +54,8 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     decode rows and the prefill chunk beside them): smaller keeps the running streams'
     inter-token latency down while a new prompt prefills, larger gives that prompt its
     first token sooner. A prompt with nothing else running prefills in whole chunks.
-    attn_impl: "auto" (Pallas on GPU, XLA on CPU), "pallas" or "xla".
+    attn_impl: "auto" (the plan's: Pallas on GPU; on the CPU its decode kernel where it
+    builds, else XLA), "pallas", "xla" or "cpu".
     kv_dtype: KV page dtype (default: dtype); "int8" or "fp8" store quantized
     pages with per-token-per-head scales.
     compiler_options: XLA options for every step ({} for XLA's defaults; default: the

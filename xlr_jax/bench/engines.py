@@ -76,7 +76,8 @@ def load_xlr(spec: dict) -> XlrRunner:
     # transformers does, so TTFT compares prefill with prefill
     model = load_model(spec["model"], dtype=spec.get("dtype"),
                        prefix_cache=spec.get("prefix_cache", False),
-                       compiler_options=spec.get("compiler_options"))
+                       compiler_options=spec.get("compiler_options"),
+                       attn_impl=spec.get("attn_impl", "auto"))
     info = {"model": spec["model"], "dtype": model.dtype, "param_bytes": model.engine.params.nbytes(),
             "attn_impl": model.engine.steps.attn_impl,
             "compiler_options": model.plan.compiler_options,
