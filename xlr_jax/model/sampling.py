@@ -151,10 +151,11 @@ def _kept(probs, count_above, mass_above, p_max, top_k, top_p, min_p):
 
 def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
     """A token of softmax(logits / temperature) under the row's filters (see `_kept`),
-    drawn by inverse CDF with uniforms of the row's key. When the filters keep fewer than
-    the CANDIDATES most likely tokens, among those; otherwise by rejection from the whole
-    vocabulary: a draw below the candidates' mass is a candidate (all kept), one above it
-    a token of the rest, kept or drawn again (expected tries: 1 / the kept mass)."""
+    drawn with the row's key. When the filters keep fewer than the CANDIDATES most likely
+    tokens, among those by inverse CDF; otherwise by rejection from the whole vocabulary:
+    a uniform below the candidates' mass picks a candidate (all kept), one above it a
+    token of the rest by Gumbel-max, kept or drawn again (expected tries: 1 / the kept
+    mass)."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)
     ids, probs, count_above, mass_above, log_total = _ranked(scaled, min(CANDIDATES, vocab))
@@ -167,21 +168,28 @@ def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
     def whole_vocabulary():
         cum = jnp.cumsum(probs)
 
-        def rest(u):
+        def candidate(u, _):  # the first candidate whose cumulative mass passes u
+            return ids[jnp.minimum(jnp.sum(cum <= u), len(ids) - 1)], jnp.bool_(True)
+
+        def rest(_, try_key):
+            # A token of the rest by Gumbel-max, not by a cumulative sum over the
+            # vocabulary: there a logit moved by rounding (1e-3: a row batched with
+            # others) shifts every later token's interval and changes the draw; here
+            # only a near-tie does, so a seeded row draws the same token in any batch.
+            noisy = scaled + jax.random.gumbel(try_key, scaled.shape)
+            token = argmax(noisy.at[ids].set(-jnp.inf))
             full = jnp.exp(scaled - log_total)
-            j = jnp.sum(jnp.cumsum(full.at[ids].set(0.0)) <= u - cum[-1])
-            token = jnp.minimum(j, vocab - 1)
             above = scaled > scaled[token]
             ok = _kept(full[token], jnp.sum(above), jnp.sum(jnp.where(above, full, 0.0)),
                        probs[0], top_k, top_p, min_p)
-            return token, ok & (j < vocab)  # past the end: rounding, draw again
+            return token, ok
 
         def attempt(state):
             tries, _, _ = state
-            u = jax.random.uniform(jax.random.fold_in(key, tries))
-            # below the candidates' mass: the first candidate whose cumulative mass passes u
-            token, ok = jax.lax.cond(u < cum[-1], lambda u: (ids[jnp.sum(cum <= u)],
-                                                             jnp.bool_(True)), rest, u)
+            try_key = jax.random.fold_in(key, tries)
+            u = jax.random.uniform(try_key)
+            token, ok = jax.lax.cond(u < cum[-1], candidate, rest, u,
+                                     jax.random.fold_in(try_key, 1))
             return tries + 1, token, ok
 
         return jax.lax.while_loop(lambda state: ~state[2], attempt,
