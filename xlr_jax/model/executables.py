@@ -33,6 +33,7 @@ import jax
 
 from xlr_jax.errors import MemoryMapLimitError
 from xlr_jax.loading.disk_cache import write_atomic
+from xlr_jax.planning.hardware import cpu_features
 
 log = logging.getLogger(__name__)
 _FRESH = threading.Condition()  # guards the two below; notified when no compile is fresh
@@ -59,16 +60,6 @@ def code_digest(root: Path = PACKAGE_ROOT) -> str:
     return h.hexdigest()
 
 
-@functools.lru_cache(maxsize=1)
-def _cpu_features() -> str:
-    """The instruction set XLA:CPU compiles for (a copied cache must not run elsewhere)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    return platform.processor()
-
-
 def fingerprint(options, *example_args) -> str:
     """A directory name for the executables of steps with these options (JSON-able) over
     arguments like `example_args` (their tree structure, shapes, dtypes and shardings)."""
@@ -79,7 +70,7 @@ def fingerprint(options, *example_args) -> str:
               for x in jax.tree.leaves(example_args)]
     text = json.dumps([STORE_VERSION, jax.__version__, jaxlib.__version__,
                        devices[0].client.platform, devices[0].client.platform_version,
-                       [d.device_kind for d in devices], platform.machine(), _cpu_features(),
+                       [d.device_kind for d in devices], platform.machine(), cpu_features(),
                        code_digest(), os.environ.get("XLA_FLAGS", ""), options,
                        str(jax.tree.structure(example_args)), layout])
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -78,23 +78,14 @@ def decode_attention(q, kv_pages, block_tables, lengths, q_positions, *, layer=N
     return out[:, None].astype(q.dtype)
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (a library built with -march=native runs only where they
-    hold: the same machine may come up with or without AVX-512)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return next((line for line in text.splitlines() if line.startswith("flags")), "")
-
-
 def library_path(compiler: str) -> Path:
     """Where the kernel built by `compiler` for this source, jaxlib and CPU lies."""
     from xlr_jax.loading.registry import default_cache_dir
+    from xlr_jax.planning.hardware import cpu_features  # -march=native runs only there
 
     key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in (
         SOURCE.read_bytes(), importlib.metadata.version("jaxlib"), compiler, " ".join(FLAGS),
-        platform.machine(), _cpu_flags()))).hexdigest()[:16]
+        platform.machine(), cpu_features()))).hexdigest()[:16]
     return default_cache_dir() / "kernels" / f"decode_attention-{key}.so"
 
 

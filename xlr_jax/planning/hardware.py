@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import platform
 import re
 import statistics
 import time
@@ -254,6 +255,13 @@ def _host_memory() -> tuple[int, int]:
 
 def cpu_name() -> str:
     return _cpuinfo_field("model name") or "cpu"
+
+
+def cpu_features() -> str:
+    """The CPU's feature flags (x86 `flags`, ARM `Features`), else the processor's name:
+    what code compiled for this CPU may use (the same machine may come up with or
+    without AVX-512), so what a cache of compiled code is keyed by."""
+    return _cpuinfo_field("flags") or _cpuinfo_field("Features") or platform.processor()
 
 
 def cpu_vector_bits() -> int:
