@@ -169,7 +169,7 @@ def _sample_row(logits, temperature, top_k, top_p, min_p, seed, step):
         cum = jnp.cumsum(probs)
 
         def candidate(u, _):  # the first candidate whose cumulative mass passes u
-            return ids[jnp.minimum(jnp.sum(cum <= u), len(ids) - 1)], jnp.bool_(True)
+            return ids[jnp.sum(cum <= u)], jnp.bool_(True)  # u < cum[-1]: inside
 
         def rest(_, try_key):
             # A token of the rest by Gumbel-max, not by a cumulative sum over the

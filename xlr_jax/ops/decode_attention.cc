@@ -168,13 +168,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int32_t* hi = last.typed_data();
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
 
-  // tasks: (row, KV head, piece of kPiecePages pages from the row's first seen page)
-  std::vector<int64_t> row_task(rows + 1, 0), pieces(rows), first_page(rows);
+  // each row's positions seen [begin, end), inside its block table; tasks: (row, KV
+  // head, piece of kPiecePages pages from the row's first seen page)
+  std::vector<int64_t> begin(rows), end(rows), pieces(rows), row_task(rows + 1, 0);
   for (int64_t b = 0; b < rows; ++b) {
-    const int64_t end = std::min<int64_t>(std::max(hi[b], 0), width * page_size);
-    const int64_t begin = std::clamp<int64_t>(lo[b], 0, end);
-    first_page[b] = begin / page_size;
-    const int64_t pages = (end + page_size - 1) / page_size - first_page[b];
+    end[b] = std::min<int64_t>(std::max(hi[b], 0), width * page_size);
+    begin[b] = std::clamp<int64_t>(lo[b], 0, end[b]);
+    const int64_t pages = (end[b] + page_size - 1) / page_size - begin[b] / page_size;
     pieces[b] = std::max<int64_t>((pages + kPiecePages - 1) / kPiecePages, 1);
     row_task[b + 1] = row_task[b] + kv_heads * pieces[b];
   }
@@ -190,15 +190,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     float* acc = total + group;
     std::fill(peak, peak + group, -std::numeric_limits<float>::infinity());
     std::fill(total, total + group + group * dim, 0.f);
-    const int64_t end = std::min<int64_t>(std::max(hi[b], 0), width * page_size);
-    const int64_t begin = std::clamp<int64_t>(lo[b], 0, end);
     const float* qrow = qp + (b * heads + h * group) * dim;
-    const int64_t p0 = first_page[b] + piece * kPiecePages;
-    for (int64_t p = p0; p < p0 + kPiecePages && p * page_size < end; ++p) {
+    const int64_t p0 = begin[b] / page_size + piece * kPiecePages;
+    for (int64_t p = p0; p < p0 + kPiecePages && p * page_size < end[b]; ++p) {
       const int64_t page = tp[b * width + p];
       if (page < 0 || page >= num_pages) continue;  // out of the pool: nothing to read
-      const int64_t s0 = std::max(begin - p * page_size, int64_t{0});
-      const int64_t s1 = std::min(end - p * page_size, page_size);
+      const int64_t s0 = std::max(begin[b] - p * page_size, int64_t{0});
+      const int64_t s1 = std::min(end[b] - p * page_size, page_size);
       if (s1 <= s0) continue;
       const int64_t at = ((page * kv_heads + h) * page_size + s0) * dim;
       fold(qrow, kp + at, vp + at, s1 - s0, scale, peak, total, acc);

@@ -226,10 +226,11 @@ def _cpu_impl(config: ModelConfig, kv_dtype: str, page_size: int) -> tuple[str, 
     """The CPU's attention: its decode kernel where it builds and takes the model's pages
     (chunks take the XLA walk), else the XLA walk throughout; and why."""
     group = config.num_heads // config.num_kv_heads
-    takes = cpu_attention.takes(config.head_dim, group, page_size, kv_dtype)
-    why = None if takes else (f"head dim {config.head_dim}, {group} query heads a KV head, "
-                              f"{page_size}-slot {kv_dtype} pages")
-    why = why or cpu_attention.build_error()
+    if cpu_attention.takes(config.head_dim, group, page_size, kv_dtype):
+        why = cpu_attention.build_error()
+    else:
+        why = (f"head dim {config.head_dim}, {group} query heads a KV head, "
+               f"{page_size}-slot {kv_dtype} pages")
     if why is None:
         return "cpu", ("CPU: the decode-attention kernel (an XLA custom call, "
                        "experiments/decode_attention_floor.py), the XLA walk for chunks")
