@@ -61,7 +61,7 @@ def attention_fns(model, position: int):
     import jax
     import jax.numpy as jnp
 
-    from xlr_jax.ops import cpu_attention, paged_attention
+    from xlr_jax.ops import cpu_attention, cpu_kernels, paged_attention
 
     engine, c = model.engine, model.engine.config
     kv, buckets = engine.kv, engine.steps.buckets
@@ -91,7 +91,7 @@ def attention_fns(model, position: int):
 
     args = (q, jnp.array(kv.k), jnp.array(kv.v))  # copies: the step donates the KV
     fns = {"attention": over_layers(attention("xla")), "read_floor": over_layers(read_floor)}
-    if cpu_attention.build_error() is None:
+    if cpu_kernels.build_error() is None:
         fns["kernel"] = over_layers(attention("cpu"))
     return fns, args
 

@@ -34,7 +34,7 @@ from xlr_jax.kv.paged_kv import quantize_kv
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import Params
 from xlr_jax.model.sampling import SamplingParams
-from xlr_jax.ops import cpu_attention, paged_attention
+from xlr_jax.ops import cpu_attention, cpu_kernels, paged_attention
 from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas
 from xlr_jax.runtime.engine import Engine
 
@@ -204,11 +204,11 @@ def test_blocked_walk_reads_every_page_count_exactly(window):
 
 
 def test_cpu_kernel_builds_where_a_compiler_is():
-    """The CPU kernel is built and registered wherever a C++ compiler is found (CI has
-    one), so the "cpu" cases above run it rather than falling back to the XLA walk."""
+    """The CPU kernels are built and registered wherever a C++ compiler is found (CI has
+    one), so the "cpu" cases above run the kernel rather than falling back to the XLA walk."""
     if shutil.which("c++") or shutil.which("g++"):
-        assert cpu_attention.build_error() is None
-    assert cpu_attention.library_path("c++").parent.name == "kernels"
+        assert cpu_kernels.build_error() is None
+    assert cpu_kernels.library_path("c++").parent.name == "kernels"
 
 
 @pytest.mark.parametrize("head_dim", cpu_attention.HEAD_DIMS)
@@ -216,8 +216,8 @@ def test_cpu_kernel_every_group_and_head_dim(head_dim):
     """Decode through the CPU kernel for 1 to 8 query heads a KV head: rows of different
     lengths (one that sees nothing: zeros), shared and scrambled pages, partial pages,
     a sliding window, and the layer picked from every layer's pool."""
-    if cpu_attention.build_error() is not None:
-        pytest.skip(cpu_attention.build_error())
+    if cpu_kernels.build_error() is not None:
+        pytest.skip(cpu_kernels.build_error())
     for group in range(1, cpu_attention.MAX_GROUP + 1):
         rng = np.random.default_rng(group * 1000 + head_dim)
         for window in (None, 19):
@@ -248,12 +248,13 @@ def test_cpu_kernel_declines_what_it_does_not_take():
 
 def test_cpu_kernel_build_failure_keeps_the_xla_walk(tmp_path):
     """No compiler (CXX points nowhere, an empty kernel cache): build_error says why, the
-    CPU plan keeps the XLA walk and says so, and impl="cpu" still answers, by that walk."""
+    CPU plan keeps the XLA walk and XLA's products and says so, and impl="cpu" still
+    answers, by that walk."""
     script = """
 import json
 import jax.numpy as jnp
 from xlr_jax.model.config import ModelConfig
-from xlr_jax.ops import cpu_attention, paged_attention
+from xlr_jax.ops import cpu_kernels, paged_attention
 from xlr_jax.planning.hardware import HardwareProfile
 from xlr_jax.planning.mapper import plan
 config = ModelConfig("llama", 512, 128, 2, 4, 2, 64, 256, 1e-5, 1e4, 256, tie_embeddings=True)
@@ -263,8 +264,9 @@ q = jnp.ones((1, 1, 4, 64))
 pages = jnp.ones((3, 2, 8, 64))
 out = paged_attention(q, (pages, pages), jnp.zeros((1, 2), jnp.int32), jnp.array([5]),
                       jnp.array([[4]]), impl="cpu", pages_per_block=1)
-print(json.dumps({"error": cpu_attention.build_error(), "impl": p.attn_impl,
-                  "why": p.reasons["attn_impl"], "out": float(out.sum())}))
+print(json.dumps({"error": cpu_kernels.build_error(), "impl": p.attn_impl,
+                  "why": p.reasons["attn_impl"], "linear": p.linear_impl,
+                  "linear_why": p.reasons["linear_impl"], "out": float(out.sum())}))
 """
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"),
            "XLR_CACHE_DIR": str(tmp_path / "cache")}
@@ -274,6 +276,7 @@ print(json.dumps({"error": cpu_attention.build_error(), "impl": p.attn_impl,
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert "no-such-compiler" in r["error"] and "failed" in r["error"]
     assert r["impl"] == "xla" and "decode kernel is off" in r["why"]
+    assert r["linear"] == "xla" and "few-row kernel is off" in r["linear_why"]
     assert r["out"] == pytest.approx(4 * 64)  # ones attending over ones
 
 
@@ -423,8 +426,8 @@ def test_model_decodes_the_same_through_the_cpu_kernel(window):
     """Two prompts decoding side by side (2-row decode steps, 60 tokens each past a
     40-token prompt: pages fill and the window slides) through the CPU kernel and through
     the XLA walk: the same greedy tokens, log-probabilities within 1e-4."""
-    if cpu_attention.build_error() is not None:
-        pytest.skip(cpu_attention.build_error())
+    if cpu_kernels.build_error() is not None:
+        pytest.skip(cpu_kernels.build_error())
     config = ModelConfig(**{**TINY.__dict__, "head_dim": 64, **(
         {} if window is None else {"architecture": "mistral", "sliding_window": window})})
     params = jax.tree.map(lambda a: a * 10 if a.ndim == 2 else a,

@@ -13,7 +13,7 @@ import pytest
 from xlr_jax.bench import run as bench
 from xlr_jax.bench.run import run_bench
 from xlr_jax.model.config import ModelConfig
-from xlr_jax.ops import cpu_attention
+from xlr_jax.ops import cpu_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ def test_quick_cpu_bench_writes_results(tmp_path):
     # the second ablation: decode attention by the XLA walk instead of the CPU kernel
     walk = data["engines"]["xlr-jax-xla-attention"]
     assert walk["attn_impl"] == "xla" and walk["completion_tokens"] == decode
-    assert xlr["attn_impl"] == ("cpu" if cpu_attention.build_error() is None else "xla")
+    assert xlr["attn_impl"] == ("cpu" if cpu_kernels.build_error() is None else "xla")
     assert walk["token_ids"] == xlr["token_ids"]  # the same greedy tokens either way
     assert not any(name.startswith("xlr-jax-xla-attention.") for name in data["targets"])
 

@@ -22,7 +22,7 @@ from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.sampling import SamplingParams
 from xlr_jax.planning.hardware import (KNOWN_GPUS, HardwareProfile, gpu_memory, gpu_spec,
                                        jax_preallocates, peaks, preset, simd_bits)
-from xlr_jax.ops import cpu_attention
+from xlr_jax.ops import cpu_kernels, cpu_linear
 from xlr_jax.planning.mapper import ExecutionPlan, particle_pages, particles_for
 from xlr_jax.planning.roofline import PRESETS, estimate, weight_bytes_read
 from xlr_jax.runtime.engine import Engine
@@ -145,16 +145,27 @@ def test_plans_fit_and_pick_backend_choices(smollm2, name):
         assert p.compute_dtype == ("bfloat16" if gpu else "float32")
         # the CPU's decode kernel where it builds (it takes both models' pages)
         assert p.attn_impl == ("pallas" if gpu else
-                               "cpu" if cpu_attention.build_error() is None else "xla")
+                               "cpu" if cpu_kernels.build_error() is None else "xla")
         # a few rows' products: multiply-sums on XLA:CPU, dots on the GPU
         assert p.reduce_rows == (0 if gpu else 16) == p.buckets.reduce_rows
+        # and the CPU's few-row kernel before them, where it builds (f32 weights)
+        kernel = not gpu and cpu_kernels.build_error() is None
+        assert p.linear_impl == ("cpu" if kernel else "xla")
+        assert p.buckets.kernel_rows == (cpu_linear.MAX_ROWS if kernel else 0)
         assert p.kv_dtype == p.compute_dtype
         assert set(p.reasons) >= {"compute_dtype", "page_size", "num_pages", "attn_impl",
-                                  "reduce_rows"}
+                                  "reduce_rows", "linear_impl"}
         assert ExecutionPlan.from_json(p.to_json()) == p
         assert json.loads(p.to_json())["reasons"] == p.reasons
-        older = {k: v for k, v in json.loads(p.to_json()).items() if k != "reduce_rows"}
-        assert ExecutionPlan.from_json(json.dumps(older)).reduce_rows == 0  # every one a dot
+        older = {k: v for k, v in json.loads(p.to_json()).items()
+                 if k not in ("reduce_rows", "linear_impl")}
+        older = ExecutionPlan.from_json(json.dumps(older))
+        assert older.reduce_rows == 0 and older.buckets.kernel_rows == 0  # every one a dot
+        if not gpu:  # off by choice, and bf16 weights the kernel does not take
+            assert plan(hw, config, linear_impl="xla").buckets.kernel_rows == 0
+            assert plan(hw, config, dtype="bfloat16").linear_impl == "xla"
+        with pytest.raises(PlanError, match="linear_impl"):
+            plan(hw, config, linear_impl="gemm")
 
 
 def test_bigger_gpus_get_more_pages():

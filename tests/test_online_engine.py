@@ -130,3 +130,27 @@ def test_decode_attention_floor_experiment_quick(tmp_path, cache_dir):
     assert min(o["product_s"], o["gather_s"], o["both_s"]) > 0
     assert o["overlap_share"] == pytest.approx(
         (o["product_s"] + o["gather_s"] - o["both_s"]) / min(o["product_s"], o["gather_s"]))
+
+
+def test_few_row_products_experiment_quick(tmp_path, cache_dir):
+    """experiments/few_row_products.py --quick: the weight products of every layer and the
+    LM head by XLA's dot, the multiply-sum and the few-row kernel per row count, and the
+    step with the plan's products beside one with XLA's."""
+    from xlr_jax.ops import cpu_kernels
+
+    if cpu_kernels.build_error() is not None:
+        pytest.skip(cpu_kernels.build_error())
+    r = run_quick("few_row_products.py", tmp_path, cache_dir)
+    assert r["experiment"] == "few_row_products" and r["quick"] and "sha" in r["git"]
+    assert list(r["products"]) == [str(n) for n in r["settings"]["rows"]]
+    one_row = r["products"]["1"]["dot"]["s"]
+    for rows, by_path in r["products"].items():
+        # one row: the dot alone; the multiply-sum to 24 rows; the kernel from 2 rows
+        expected = {"dot"} | ({"multiply_sum", "kernel"} if int(rows) >= 2 else set())
+        assert set(by_path) == expected
+        for f in by_path.values():
+            assert f["s"] > 0 and f["over_one_row_dot"] == pytest.approx(f["s"] / one_row)
+            assert f["weights_gb_per_s"] == pytest.approx(r["weight_bytes"] / f["s"] / 1e9)
+    assert [[f["decode_rows"], f["chunk"]] for f in r["steps"].values()] == r["settings"]["steps"]
+    for f in r["steps"].values():
+        assert f["kernel_over_xla"] == pytest.approx(f["kernel_s"] / f["xla_s"])

@@ -34,6 +34,7 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                max_batch: int | None = None, prefill_chunk: int | None = None,
                max_waiting: int | None = None, max_step_tokens: int | None = None,
                max_context: int | None = None, attn_impl: str = "auto",
+               linear_impl: str = "auto",
                kv_dtype: str | None = None, hardware: HardwareProfile | None = None,
                prefix_cache: bool = True, cache_dir: str | os.PathLike | None = None,
                params_cache: bool = True, compile_cache: bool = True,
@@ -56,6 +57,8 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     first token sooner. A prompt with nothing else running prefills in whole chunks.
     attn_impl: "auto" (the plan's: Pallas on GPU; on the CPU its decode kernel where it
     builds, else XLA), "pallas", "xla" or "cpu".
+    linear_impl: a step's weight products of a few rows: "auto" (the plan's: on the CPU
+    with f32 weights its few-row kernel where it builds, else XLA), "xla" or "cpu".
     kv_dtype: KV page dtype (default: dtype); "int8" or "fp8" store quantized
     pages with per-token-per-head scales.
     compiler_options: XLA options for every step ({} for XLA's defaults; default: the
@@ -86,7 +89,8 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                               prefill_chunk=prefill_chunk, max_waiting=max_waiting,
                               max_step_tokens=max_step_tokens),
                      dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, num_pages=num_pages,
-                     attn_impl=attn_impl, compiler_options=compiler_options)
+                     attn_impl=attn_impl, linear_impl=linear_impl,
+                     compiler_options=compiler_options)
     compute = jnp.dtype(execution.compute_dtype)
     loaded = load_weights(source, dtype=np.dtype(compute), cache_dir=cache)
     # per-layer device params straight from the host arrays, which are then let go
@@ -114,10 +118,12 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
 
 def _steps_fingerprint(config, execution: ExecutionPlan, params) -> str:
     """What the compiled steps depend on beyond their shapes: the model, the plan's
-    dtypes, KV pool, block tables, attention and compile options, and the params' layout."""
+    dtypes, KV pool, block tables, attention, few-row products and compile options, and
+    the params' layout."""
     e = execution
     return fingerprint([config.to_json(), e.compute_dtype, e.kv_dtype, e.page_size,
                         e.num_pages, e.buckets.table_width, e.attn_block_pages, e.attn_impl,
+                        e.reduce_rows, e.linear_impl,
                         sorted(e.compiler_options.items())], params)
 
 

@@ -77,9 +77,10 @@ def load_xlr(spec: dict) -> XlrRunner:
     model = load_model(spec["model"], dtype=spec.get("dtype"),
                        prefix_cache=spec.get("prefix_cache", False),
                        compiler_options=spec.get("compiler_options"),
-                       attn_impl=spec.get("attn_impl", "auto"))
+                       attn_impl=spec.get("attn_impl", "auto"),
+                       linear_impl=spec.get("linear_impl", "auto"))
     info = {"model": spec["model"], "dtype": model.dtype, "param_bytes": model.engine.params.nbytes(),
-            "attn_impl": model.engine.steps.attn_impl,
+            "attn_impl": model.engine.steps.attn_impl, "linear_impl": model.plan.linear_impl,
             "compiler_options": model.plan.compiler_options,
             "prefix_cache": model.engine.prefix_cache is not None,
             "check_targets": spec.get("check_targets", True)}

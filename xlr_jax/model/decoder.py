@@ -10,6 +10,7 @@ before its matmul.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ import numpy as np
 
 from xlr_jax.kv.paged_kv import SCRATCH_PAGE, PagedKV, write_layer
 from xlr_jax.model.config import ModelConfig, RopeScaling
-from xlr_jax.ops import paged_attention, resolve_impl
+from xlr_jax.ops import cpu_kernels, cpu_linear, paged_attention, resolve_impl
 from xlr_jax.pytree import pytree_dataclass
 from xlr_jax.runtime.step_batch import StepBatch
 
@@ -117,12 +118,21 @@ def rms_norm(x, weight, eps):
     return (x32 * weight).astype(x.dtype)
 
 
-def _linear(x, w, reduce_rows: int = 0, out_dtype=None):
-    """x [..., d] @ w.T for w [out, d], in `out_dtype` (default x's). With 2..`reduce_rows`
-    rows in x, a multiply and a sum over d instead of a dot: XLA:CPU's dot of a few rows
-    costs 2-3x a matrix-vector product's, the sum 1.3-1.9x (see Buckets.reduce_rows)."""
+class RowProducts(NamedTuple):
+    """How a step's weight products of a few rows run (the plan's Buckets decide):
+    XLA:CPU's dot of a few rows costs 2-3x a matrix-vector product's."""
+    reduce_rows: int = 0  # 2..this many rows: a multiply and a sum over the input
+    kernel_rows: int = 0  # 2..this many rows: the CPU kernel (ops.cpu_linear), if it takes w
+
+
+def _linear(x, w, products: RowProducts = RowProducts(), out_dtype=None):
+    """x [..., d] @ w.T for w [out, d], in `out_dtype` (default x's): a dot, or for a
+    few rows the CPU kernel or a multiply-sum (see RowProducts)."""
     rows = int(np.prod(x.shape[:-1]))
-    if not 2 <= rows <= reduce_rows:
+    if (2 <= rows <= products.kernel_rows and cpu_linear.supports(x, w)
+            and cpu_kernels.build_error() is None):
+        return cpu_linear.linear(x, w, out_dtype)
+    if not 2 <= rows <= products.reduce_rows:
         return jnp.einsum("...d,od->...o", x, w, preferred_element_type=out_dtype)
     f32 = jnp.float32  # summed in f32 whatever the weights' dtype, as a dot accumulates
     out = jnp.sum(w[:, :, None].astype(f32) * x.reshape(rows, -1).T[None].astype(f32),
@@ -138,14 +148,14 @@ def _layers(layers):
 
 
 def decoder(params: Params, kv: PagedKV, tokens, positions, page_ids, offsets, attend, *,
-            config: ModelConfig, reduce_rows: int = 0):
+            config: ModelConfig, products: RowProducts = RowProducts()):
     """The decoder over flat tokens [N] at `positions` [N]: each token's K/V goes to
     slot `offsets` of page `page_ids` (the scratch page for padding), and
     `attend(q [N, H, D], (k, v), scales, layer)` reads the pages (whatever layout the
     caller's batch has). Returns the final hidden states [N, d] (after the final norm)
-    and the new KV. `reduce_rows`: see `_linear`."""
+    and the new KV. `products`: see `_linear`."""
     c = config
-    lin = lambda x, w: _linear(x, w, reduce_rows)  # noqa: E731
+    lin = lambda x, w: _linear(x, w, products)  # noqa: E731
     cos, sin = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
     x = params.embed[tokens]
     k_all, v_all, k_scale, v_scale = kv.k, kv.v, kv.k_scale, kv.v_scale
@@ -201,7 +211,8 @@ def forward(params: Params, kv: PagedKV, tokens, positions, valid, block_tables,
 
 
 def forward_step(params: Params, kv: PagedKV, batch: StepBatch, *, config: ModelConfig,
-                 attn_impl: str, pages_per_block: int, reduce_rows: int = 0):
+                 attn_impl: str, pages_per_block: int,
+                 products: RowProducts = RowProducts()):
     """Run one ragged step (see step_batch): its decode rows' tokens and its chunk,
     flat through every matmul; attention per part, reading only the pages each part
     sees. Returns the hidden state each row samples from [rows, d] and the new KV."""
@@ -244,13 +255,13 @@ def forward_step(params: Params, kv: PagedKV, batch: StepBatch, *, config: Model
 
     tokens = jnp.concatenate([batch.decode_tokens, batch.chunk_tokens])
     hidden, kv = decoder(params, kv, tokens, positions, page_ids[:, 0], offsets[:, 0], attend,
-                         config=c, reduce_rows=reduce_rows)
+                         config=c, products=products)
     last = jnp.concatenate([jnp.arange(dec, dtype=jnp.int32),
                             (dec + jnp.maximum(batch.chunk_len - 1, 0))[None]])
     return hidden[last[:tables.shape[0]]], kv
 
 
-def lm_head(params: Params, hidden, reduce_rows: int = 0):
-    """Logits in f32 for hidden states [..., d] (`reduce_rows`: see `_linear`)."""
+def lm_head(params: Params, hidden, products: RowProducts = RowProducts()):
+    """Logits in f32 for hidden states [..., d] (`products`: see `_linear`)."""
     w = params.embed if params.lm_head is None else params.lm_head
-    return _linear(hidden, w, reduce_rows, jnp.float32)
+    return _linear(hidden, w, products, jnp.float32)

@@ -8,9 +8,9 @@ and loads them with no tracing at all (`jax.experimental.serialize_executable`).
 Layout: cache_dir/executables/<fingerprint>/<step>.bin, one file per step shape
 (e.g. `step-1-32.bin`: one decode row and a 32-token prefill chunk). The
 fingerprint hashes the jax and jaxlib versions, the devices and the CPU's instruction
-set, this package's source code, XLA_FLAGS, the caller's options (model config, dtypes,
-KV pool, compile options) and the params' layout: any change gives a new directory, never a
-stale executable. `recent.json` lists the steps the last process
+set, this package's source code (Python and C++), XLA_FLAGS, the caller's options (model
+config, dtypes, KV pool, compile options) and the params' layout: any change gives a new
+directory, never a stale executable. `recent.json` lists the steps the last process
 used, in the order it first used them; `preload` reads those (the same command run
 again needs exactly these) on background threads, while the caller goes on loading.
 """
@@ -51,10 +51,10 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # xlr_jax/, not this module'
 
 @functools.lru_cache(maxsize=4)
 def code_digest(root: Path = PACKAGE_ROOT) -> str:
-    """The package's whole source: a step's code spans model/, ops/, kv/, runtime/...,
-    and an edit anywhere in it must not run an old executable."""
+    """The package's whole source: a step's code spans model/, ops/ (the CPU kernels'
+    C++ too), kv/, runtime/..., and an edit anywhere in it must not run an old executable."""
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(p for pattern in ("*.py", "*.cc", "*.h") for p in root.rglob(pattern)):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()

@@ -19,22 +19,22 @@ from tqdm.auto import tqdm
 
 from xlr_jax.kv.paged_kv import PagedKV
 from xlr_jax.model.config import ModelConfig
-from xlr_jax.model.decoder import Params, forward, forward_step, lm_head
+from xlr_jax.model.decoder import Params, RowProducts, forward, forward_step, lm_head
 from xlr_jax.model.executables import ExecutableStore, compile_fresh
 from xlr_jax.model.sampling import row_logprobs, sample_rows
-from xlr_jax.ops import cpu_attention
+from xlr_jax.ops import cpu_kernels
 from xlr_jax.planning.mapper import Buckets, pick_bucket
 from xlr_jax.runtime.step_batch import StepBatch, StepBuilder
 
 
 def _step(params: Params, kv: PagedKV, batch: StepBatch, *, config: ModelConfig,
-          attn_impl: str, pages_per_block: int, reduce_rows: int):
+          attn_impl: str, pages_per_block: int, products: RowProducts):
     """One ragged step (see step_batch): a token per row, each row paying only for its
     own sampler; the rows' logits; and their log-probabilities where asked (see
     sampling.row_logprobs)."""
     hidden, kv = forward_step(params, kv, batch, config=config, attn_impl=attn_impl,
-                              pages_per_block=pages_per_block, reduce_rows=reduce_rows)
-    logits = lm_head(params, hidden, reduce_rows)
+                              pages_per_block=pages_per_block, products=products)
+    logits = lm_head(params, hidden, products)
     tokens = sample_rows(logits + batch.bias, batch.sampling)
     return tokens, logits, row_logprobs(logits, tokens, batch.sampling), kv
 
@@ -71,12 +71,13 @@ class Steps:
                  compiler_options: dict | None = None):
         self.config, self.buckets, self.attn_impl = config, buckets, attn_impl
         self.compiler_options = compiler_options or {}
-        if attn_impl == "cpu":  # registered before a stored executable that calls it runs
-            cpu_attention.build_error()
+        if attn_impl == "cpu" or buckets.kernel_rows:  # registered before a stored
+            cpu_kernels.build_error()  # executable that calls them runs
         # the step is lowered and compiled per instance, ahead of time (`_executable`)
         self._step = jax.jit(partial(_step, pages_per_block=buckets.attn_block,
-                                     reduce_rows=buckets.reduce_rows, config=config,
-                                     attn_impl=attn_impl),
+                                     products=RowProducts(buckets.reduce_rows,
+                                                          buckets.kernel_rows),
+                                     config=config, attn_impl=attn_impl),
                              donate_argnames="kv", compiler_options=compiler_options or None)
         self._all_logits = _jitted_all_logits(config, attn_impl,
                                               tuple(sorted(self.compiler_options.items())))

@@ -1,8 +1,9 @@
 """Attention kernels behind one entry point, and their pure-JAX references.
 
 The Pallas kernel itself is in `xlr_jax.ops.pallas_attention`, imported only where it runs:
-Pallas and Triton add ~0.1 s to every start. The CPU's decode kernel (an XLA custom call
-built from `decode_attention.cc` on first use) is in `xlr_jax.ops.cpu_attention`.
+Pallas and Triton add ~0.1 s to every start. The CPU's kernels (XLA custom calls built
+on first use by `xlr_jax.ops.cpu_kernels`) are in `xlr_jax.ops.cpu_attention` (decode
+attention) and `xlr_jax.ops.cpu_linear` (few-row weight products).
 """
 from xlr_jax.ops.paged_attention import (IMPLS, paged_attention, paged_attention_xla,
                                          resolve_impl, walk_sizes)

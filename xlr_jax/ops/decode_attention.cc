@@ -7,43 +7,27 @@
 // threads. Semantics are paged_attention_xla's: row b's query at position qpos sees
 // positions [first[b], last[b]); a row that sees nothing gets zeros.
 //
-// Built by xlr_jax/ops/cpu_attention.py with the host's C++ compiler (-march=native).
-#include <algorithm>
-#include <atomic>
+// Built with linear.cc by xlr_jax/ops/cpu_kernels.py (the host's C++ compiler,
+// -march=native).
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "cpu_kernels.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using xlr::hsum;
+using xlr::load;
+using xlr::store;
+using xlr::vf;
+using xlr::vi;
+
 constexpr int64_t kPiecePages = 4;     // pages per task: enough pieces for every thread
 constexpr int64_t kMaxPageSize = 256;  // slots a page's scores may hold
-
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-
-inline vf load(const float* p) {
-  vf v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
-
-inline float hsum(vf v) {
-  v += __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v += __builtin_shuffle(v, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  return v[0];
-}
 
 // exp(x) for x <= 0 on 16 lanes, 0 below -87 (where f32 exp underflows) and for -inf:
 // 2^n p(r) with r = x - n ln2 and p a degree-7 polynomial (about 1 ulp). The compiler
@@ -134,11 +118,6 @@ FoldFn fold_for(int64_t group, int64_t dim) {
   }
 }
 
-struct Progress {  // shared with helper tasks that may start after the call returned
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> first,
@@ -203,19 +182,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     }
   };
 
-  auto progress = std::make_shared<Progress>();
-  auto work = [&run, tasks](Progress* state) {
-    for (int64_t t; (t = state->next.fetch_add(1)) < tasks;) {
-      run(t);
-      state->done.fetch_add(1);
-    }
-  };
-  // Helpers take tasks while this thread does too; one that starts after every task is
-  // taken returns at once (it touches only `progress`, which it co-owns).
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([progress, work] { work(progress.get()); });
-  work(progress.get());
-  while (progress->done.load() < tasks) std::this_thread::yield();
+  xlr::run_tasks(pool, tasks, run);
 
   // each (row, KV head): its pieces' softmaxes merged
   float* op = out->typed_data();

@@ -31,7 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from xlr_jax.ops import cpu_attention
+from xlr_jax.ops import cpu_attention, cpu_kernels
 
 IMPLS = ("auto", "pallas", "xla", "cpu")
 
@@ -62,7 +62,7 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
                              "q_positions [batch, q_len]; pass cu_q_lens for ragged q")
         if impl == "cpu":
             if q.shape[1] == 1 and cpu_attention.supports(q.shape, kv_pages, kv_scales) \
-                    and cpu_attention.build_error() is None:
+                    and cpu_kernels.build_error() is None:
                 return cpu_attention.decode_attention(q, kv_pages, block_tables, lengths,
                                                       q_positions, layer=layer,
                                                       sliding_window=sliding_window)

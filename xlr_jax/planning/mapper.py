@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from xlr_jax.errors import PlanError
 from xlr_jax.kv.paged_kv import is_quantized
 from xlr_jax.model.config import ModelConfig
-from xlr_jax.ops import IMPLS, cpu_attention, walk_sizes
+from xlr_jax.ops import IMPLS, cpu_attention, cpu_kernels, cpu_linear, walk_sizes
 from xlr_jax.planning.hardware import HardwareProfile
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ MAX_PREEMPTIONS = 2        # a request preempted this often is protected: it run
 MAX_PINNED_SHARE = 0.5     # stable tiers pinning more of the pool unpin LRU-first
 ATTN_BLOCK_PAGES = 16      # XLA attention's largest piece of a row's pages
 REDUCE_ROWS = 16           # XLA:CPU: products of up to this many rows as multiply-sums
+LINEAR_IMPLS = ("auto", "xla", "cpu")
 CPU_STEP_CHUNK = 64        # XLA:CPU: prompt tokens a step carries beside decode rows
 
 
@@ -90,6 +91,7 @@ class ExecutionPlan:
     attn_block_pages: int          # pages the XLA attention reads at a time
     reduce_rows: int               # a step's products of 2..this many rows: multiply-sum
     attn_impl: str
+    linear_impl: str               # "cpu": few-row products by the CPU kernel; "xla"
     speculative: SpeculativePolicy
     memory: MemoryBudget
     # XLA options every step is compiled with (jax.jit's compiler_options)
@@ -99,7 +101,8 @@ class ExecutionPlan:
     @property
     def buckets(self) -> Buckets:
         return Buckets(self.batch_buckets, self.chunk_buckets, self.page_buckets,
-                       self.attn_block_pages, self.reduce_rows)
+                       self.attn_block_pages, self.reduce_rows,
+                       cpu_linear.MAX_ROWS if self.linear_impl == "cpu" else 0)
 
     def particles_for(self, free_pages: int, context_len: int, gamma: int | None = None) -> int:
         return particles_for(free_pages, context_len,
@@ -126,6 +129,7 @@ class ExecutionPlan:
         raw.setdefault("max_step_tokens", raw["max_batch"] + raw["prefill_chunk"])
         raw.setdefault("attn_block_pages", ATTN_BLOCK_PAGES)
         raw.setdefault("reduce_rows", 0)  # older plans: every product a dot
+        raw.setdefault("linear_impl", "xla")
         return cls(**raw)
 
 
@@ -162,6 +166,9 @@ class Buckets:
     # a step's weight products of 2..reduce_rows rows are a multiply and a sum, not a dot
     # (0: always a dot): XLA:CPU's dot of 2-8 rows costs 2-3x a matrix-vector product's
     reduce_rows: int = 0
+    # products of 2..kernel_rows rows by the CPU kernel (ops.cpu_linear) where it takes
+    # them, before reduce_rows applies (0: no kernel)
+    kernel_rows: int = 0
 
     @property
     def table_width(self) -> int:
@@ -227,7 +234,7 @@ def _cpu_impl(config: ModelConfig, kv_dtype: str, page_size: int) -> tuple[str, 
     (chunks take the XLA walk), else the XLA walk throughout; and why."""
     group = config.num_heads // config.num_kv_heads
     if cpu_attention.takes(config.head_dim, group, page_size, kv_dtype):
-        why = cpu_attention.build_error()
+        why = cpu_kernels.build_error()
     else:
         why = (f"head dim {config.head_dim}, {group} query heads a KV head, "
                f"{page_size}-slot {kv_dtype} pages")
@@ -237,9 +244,20 @@ def _cpu_impl(config: ModelConfig, kv_dtype: str, page_size: int) -> tuple[str, 
     return "xla", f"CPU: the XLA walk (the decode kernel is off: {why})"
 
 
+def _cpu_linear(compute: str) -> tuple[str, str]:
+    """The CPU's few-row weight products: its kernel where it builds and the weights are
+    f32, else XLA's multiply-sums; and why."""
+    why = (f"{compute} weights" if compute != "float32" else cpu_kernels.build_error())
+    if why is None:
+        return "cpu", (f"CPU: a step's weight products of 2 to {cpu_linear.MAX_ROWS} rows by "
+                       "the few-row kernel (an XLA custom call, experiments/"
+                       "few_row_products.py), one row and larger chunks by XLA's dot")
+    return "xla", f"CPU: XLA's products (the few-row kernel is off: {why})"
+
+
 def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Workload(),
          *, dtype: str | None = None, kv_dtype: str | None = None, page_size: int | None = None,
-         num_pages: int | None = None, attn_impl: str = "auto",
+         num_pages: int | None = None, attn_impl: str = "auto", linear_impl: str = "auto",
          compiler_options: dict | None = None) -> ExecutionPlan:
     """The Execution Plan for `config` on `hardware`; keyword arguments override choices."""
     gpu = hardware.backend == "gpu"
@@ -299,6 +317,16 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                   impl_reason)
     if impl not in IMPLS[1:]:
         raise PlanError(f"attn_impl {impl!r} is not supported; choose one of {IMPLS}")
+    linear = choose("linear_impl", None if linear_impl == "auto" else linear_impl,
+                    *(("xla", "GPU: XLA's dot (the matrix units take a few rows at "
+                       "matrix-vector cost)") if gpu else _cpu_linear(compute)))
+    if linear not in LINEAR_IMPLS[1:]:
+        raise PlanError(f"linear_impl {linear!r} is not supported; choose one of "
+                        f"{LINEAR_IMPLS}")
+    if linear == "cpu" and (gpu or cpu_kernels.build_error()):
+        raise PlanError("linear_impl 'cpu' needs the CPU backend and its kernels ("
+                        f"{'this is a GPU' if gpu else cpu_kernels.build_error()}); "
+                        "use 'auto' or 'xla'")
 
     wide = not gpu and hardware.cpu_vector_bits >= 512
     xla = choose("compiler_options", compiler_options,
@@ -359,8 +387,9 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                       + ("every 2 pages to 32, then ~1.25x (XLA reads the whole width)"
                          if not gpu else "powers of two (the kernel skips unseen pages)"))
     why["reduce_rows"] = (
-        f"a step's weight products of 2 to {buckets.reduce_rows} rows are a multiply and a "
-        "sum over the input: each weight row is read once for every row, where XLA:CPU's "
+        f"a step's weight products of 2 to {buckets.reduce_rows} rows"
+        + (" that the few-row kernel does not take" if linear == "cpu" else "")
+        + " are a multiply and a sum over the input: each weight row is read once for every row, where XLA:CPU's "
         "dot of 2-8 rows costs 2-3x a matrix-vector product (an 8-row decode step 0.66-0.76x "
         "the time, measured)" if buckets.reduce_rows else
         "every product a dot: the GPU's matrix units take a few rows at matrix-vector cost")
@@ -388,6 +417,7 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         max_pinned_share=MAX_PINNED_SHARE, batch_buckets=buckets.batch,
         chunk_buckets=buckets.chunk, page_buckets=buckets.pages,
         attn_block_pages=buckets.attn_block, reduce_rows=buckets.reduce_rows, attn_impl=impl,
+        linear_impl=linear,
         speculative=spec, memory=memory,
         compiler_options=xla, reasons=why)
 
