@@ -386,12 +386,12 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                       "Speculative cycles and scoring keep block-table widths: "
                       + ("every 2 pages to 32, then ~1.25x (XLA reads the whole width)"
                          if not gpu else "powers of two (the kernel skips unseen pages)"))
+    untaken = " that the few-row kernel does not take" if linear == "cpu" else ""
     why["reduce_rows"] = (
-        f"a step's weight products of 2 to {buckets.reduce_rows} rows"
-        + (" that the few-row kernel does not take" if linear == "cpu" else "")
-        + " are a multiply and a sum over the input: each weight row is read once for every row, where XLA:CPU's "
-        "dot of 2-8 rows costs 2-3x a matrix-vector product (an 8-row decode step 0.66-0.76x "
-        "the time, measured)" if buckets.reduce_rows else
+        f"a step's weight products of 2 to {buckets.reduce_rows} rows{untaken} are a "
+        "multiply and a sum over the input: each weight row is read once for every row, "
+        "where XLA:CPU's dot of 2-8 rows costs 2-3x a matrix-vector product (an 8-row decode "
+        "step 0.66-0.76x the time, measured)" if buckets.reduce_rows else
         "every product a dot: the GPU's matrix units take a few rows at matrix-vector cost")
     spec = SpeculativePolicy(
         draft=workload.draft, gamma=4, particle_cap=8 if gpu else 4,
