@@ -78,9 +78,11 @@ def load_xlr(spec: dict) -> XlrRunner:
                        prefix_cache=spec.get("prefix_cache", False),
                        compiler_options=spec.get("compiler_options"),
                        attn_impl=spec.get("attn_impl", "auto"),
-                       linear_impl=spec.get("linear_impl", "auto"))
+                       linear_impl=spec.get("linear_impl", "auto"),
+                       max_step_tokens=spec.get("max_step_tokens"))
     info = {"model": spec["model"], "dtype": model.dtype, "param_bytes": model.engine.params.nbytes(),
             "attn_impl": model.engine.steps.attn_impl, "linear_impl": model.plan.linear_impl,
+            "max_step_tokens": model.plan.max_step_tokens,
             "compiler_options": model.plan.compiler_options,
             "prefix_cache": model.engine.prefix_cache is not None,
             "check_targets": spec.get("check_targets", True)}
