@@ -21,33 +21,18 @@ Run: python experiments/few_row_products.py [--out experiments/results] [--round
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 
-from xlr_jax.bench.load import experiment_parser
+from xlr_jax.bench.load import experiment_model, experiment_parser, experiment_settings
+from xlr_jax.bench.step_timing import time_steps, timed
 
 ROOT = Path(__file__).resolve().parent.parent
 FULL = dict(rows=[1, 2, 4, 8, 16, 24, 32, 48, 64, 72, 96, 128], rounds=9, position=576,
             steps=[[1, 0], [8, 0], [8, 16], [8, 32], [8, 64]], bandwidth_runs=5)
 QUICK = dict(rows=[1, 2], rounds=2, position=64, steps=[[2, 16]], bandwidth_runs=2)
 MULTIPLY_SUM_ROWS = 24
-
-
-def timed(fns: dict, rounds: int) -> dict:
-    """Median seconds of each fn() (it blocks until done), the fns taking turns per round;
-    each runs once first (compiles)."""
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def product_chain(params, products):
@@ -65,35 +50,6 @@ def product_chain(params, products):
             gate_up = _linear(x, lp.w_gate_up, products)
             x = x + _linear(gate_up[:, :lp.w_down.shape[1]], lp.w_down, products)
         return lm_head(params, x[:, :d], products)
-    return run
-
-
-def step_runner(model, steps, decode_rows: int, chunk: int, position: int, state: dict):
-    """fn() running one compiled step (`steps`) of `decode_rows` rows at `position`, each
-    on pages of its own, and a `chunk`-token chunk from there; the KV is threaded
-    through `state` (every step donates it)."""
-    import jax
-
-    from xlr_jax.model.sampling import SamplingParams
-
-    engine = model.engine
-    width, pages = steps.buckets.table_width, engine.kv.k.shape[1]
-    seen = -(-(position + chunk + 1) // engine.kv.page_size)
-    tables = [(np.arange(width, dtype=np.int32) + j * seen) % (pages - 1) + 1
-              for j in range(decode_rows + 1)]
-    builder = steps.builder(decode_rows, chunk)
-    rng = np.random.default_rng(0)
-    for j in range(decode_rows):
-        builder.decode(int(rng.integers(engine.config.vocab_size)), position, tables[j],
-                       SamplingParams(), 0)
-    if chunk:
-        ids = rng.integers(0, engine.config.vocab_size, chunk)
-        builder.prefill(ids.tolist(), position, tables[-1], SamplingParams(), 0)
-    batch = builder.build()
-
-    def run():
-        token, *_, state["kv"] = steps.step(engine.params, state["kv"], batch)
-        jax.block_until_ready(token)
     return run
 
 
@@ -141,31 +97,21 @@ def step_figures(model, s: dict) -> dict:
     plan_steps = model.engine.steps
     xla_steps = Steps(model.engine.config, dataclasses.replace(plan_steps.buckets, kernel_rows=0),
                       plan_steps.attn_impl, plan_steps.compiler_options)
-    state = {"kv": model.engine.kv}
-    figures = {}
-    for decode_rows, chunk in s["steps"]:
-        fns = {name: step_runner(model, st, decode_rows, chunk, s["position"], state)
-               for name, st in (("kernel", plan_steps), ("xla", xla_steps))}
-        t = timed(fns, s["rounds"])
-        figures[f"{decode_rows}+{chunk}"] = {"decode_rows": decode_rows, "chunk": chunk,
-                                             "kernel_s": t["kernel"], "xla_s": t["xla"],
-                                             "kernel_over_xla": t["kernel"] / t["xla"]}
-    model.engine.kv = state["kv"]
-    return figures
+    times = time_steps(model, {"kernel": plan_steps, "xla": xla_steps}, s["steps"],
+                       s["position"], s["rounds"])
+    return {f"{rows}+{chunk}": {"decode_rows": rows, "chunk": chunk, "kernel_s": t["kernel"],
+                                "xla_s": t["xla"], "kernel_over_xla": t["kernel"] / t["xla"]}
+            for (rows, chunk), t in times.items()}
 
 
 def main(argv=None) -> dict:
     args = experiment_parser(__doc__, ROOT / "experiments/results").parse_args(argv)
-    s = {**(QUICK if args.quick else FULL), **({"rounds": args.rounds} if args.rounds else {})}
+    s = experiment_settings(args, FULL, QUICK)
 
-    import xlr_jax
     from xlr_jax.bench.run import write_result
     from xlr_jax.planning.hardware import measure_bandwidth
 
-    model = xlr_jax.load_model("smollm2", dtype="float32", prefix_cache=False,
-                               cache_dir=args.cache_dir)
-    if model.plan.linear_impl != "cpu":
-        raise SystemExit(f"the few-row kernel is off: {model.plan.reasons['linear_impl']}")
+    model = experiment_model(args, kernel="linear_impl")
     bandwidth = measure_bandwidth("read", 1.0, s["bandwidth_runs"])
     gb_s = bandwidth["read_bandwidth_gb_per_s"]
     weight_bytes = product_bytes(model.engine.params)

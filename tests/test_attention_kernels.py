@@ -116,7 +116,7 @@ def check_both(q, k, v, tables, lengths, positions, *, window=None, dtype=jnp.fl
 def _impl_args(impl: str, tables) -> dict:
     """paged_attention's arguments for `impl`; "xla-blocked" walks the block table
     2 pages at a time (1 when its width is odd): the engine's ragged step path; "cpu" is
-    the CPU kernel for one f32 query per row, that walk for the rest."""
+    the CPU kernel for f32 pages (every query length), that walk for the rest."""
     if impl == "cpu":
         return dict(impl="cpu", pages_per_block=2 if tables.shape[1] % 2 == 0 else 1)
     if impl == "xla-blocked":
@@ -211,32 +211,50 @@ def test_cpu_kernel_builds_where_a_compiler_is():
     assert cpu_kernels.library_path("c++").parent.name == "kernels"
 
 
-@pytest.mark.parametrize("head_dim", cpu_attention.HEAD_DIMS)
-def test_cpu_kernel_every_group_and_head_dim(head_dim):
-    """Decode through the CPU kernel for 1 to 8 query heads a KV head: rows of different
-    lengths (one that sees nothing: zeros), shared and scrambled pages, partial pages,
-    a sliding window, and the layer picked from every layer's pool."""
+def cpu_kernel_cases(seed: int, *, q_len: int, head_dim: int, lengths: list[int],
+                     shared: bool):
+    """Every group of 1 to 8 query heads a KV head, with and without a sliding window,
+    through the CPU kernel on the layer picked from a two-layer pool, against the
+    float64 dense reference; the first row's last query is padding and gets zeros."""
     if cpu_kernels.build_error() is not None:
         pytest.skip(cpu_kernels.build_error())
     for group in range(1, cpu_attention.MAX_GROUP + 1):
-        rng = np.random.default_rng(group * 1000 + head_dim)
+        rng = np.random.default_rng(seed + group)
         for window in (None, 19):
-            q, k, v, tables, lengths, positions = make_case(
-                int(rng.integers(1 << 30)), batch=4, q_len=1, heads=2 * group, kv_heads=2,
-                head_dim=head_dim, page_size=8, lengths=[1, 9, 30, 47], table_width=6)
-            positions = positions.at[0, 0].set(-1)  # a padding row: sees nothing
+            q, k, v, tables, lens, positions = make_case(
+                int(rng.integers(1 << 30)), batch=len(lengths), q_len=q_len,
+                heads=2 * group, kv_heads=2, head_dim=head_dim, page_size=8,
+                lengths=lengths, table_width=6, shared=shared)
+            positions = positions.at[0, -1].set(-1)  # a padding query: sees nothing
             assert cpu_attention.supports(q.shape, (k, v))
-            k_all, v_all = jnp.stack([v, k]), jnp.stack([k, v])
-            out = paged_attention(q, (k_all, v_all), tables, lengths, positions, layer=1,
-                                  sliding_window=window, impl="cpu")
+            out = paged_attention(q, (jnp.stack([v, k]), jnp.stack([k, v])), tables, lens,
+                                  positions, layer=1, sliding_window=window, impl="cpu")
             ref = dense_attention(q, sequence_cache(k, tables), sequence_cache(v, tables),
-                                  np.asarray(lengths), np.asarray(positions), window)
+                                  np.asarray(lens), np.asarray(positions), window)
             assert rel_err(out, ref) < TOL[jnp.float32], (group, window)
-            assert not np.asarray(out[0]).any()
+            assert not np.asarray(out[0, -1]).any()
+
+
+@pytest.mark.parametrize("head_dim", cpu_attention.HEAD_DIMS)
+def test_cpu_kernel_every_group_and_head_dim(head_dim):
+    """Decode through the CPU kernel: rows of different lengths (one that sees nothing:
+    zeros), shared and scrambled pages, partial pages."""
+    cpu_kernel_cases(head_dim * 1000, q_len=1, head_dim=head_dim, lengths=[1, 9, 30, 47],
+                     shared=True)
+
+
+@pytest.mark.parametrize("q_len", [2, 5, 16, 37])
+def test_cpu_kernel_folds_blocks_of_queries(q_len):
+    """Several queries a row (a prefill chunk, verify rows) through the CPU kernel: blocks
+    of queries fold the slots they all see together, and the causal diagonal and a
+    window's edge query by query; a short last block; two rows on pages of their own."""
+    cpu_kernel_cases(q_len * 100, q_len=q_len, head_dim=64, lengths=[q_len + 3, q_len + 30],
+                     shared=False)
 
 
 def test_cpu_kernel_declines_what_it_does_not_take():
-    """Quantized pages, bf16 pages and a head dim outside its list take the XLA walk."""
+    """Quantized pages, bf16 pages, a head dim outside its list and a chunk of more than
+    MAX_QUERIES tokens take the XLA walk."""
     q, k, v, *_ = make_case(4, batch=1, q_len=1, heads=4, kv_heads=2, head_dim=64,
                             page_size=8, lengths=[5], table_width=1)
     assert cpu_attention.supports(q.shape, (k, v))
@@ -244,6 +262,8 @@ def test_cpu_kernel_declines_what_it_does_not_take():
     assert not cpu_attention.supports(q.shape, (k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)))
     assert not cpu_attention.supports((1, 1, 4, 48), (k[..., :48], v[..., :48]))
     assert not cpu_attention.supports((1, 1, 18, 64), (k, v))  # 9 query heads a KV head
+    assert cpu_attention.supports((1, cpu_attention.MAX_QUERIES, 4, 64), (k, v))
+    assert not cpu_attention.supports((1, cpu_attention.MAX_QUERIES + 1, 4, 64), (k, v))
 
 
 def test_cpu_kernel_build_failure_keeps_the_xla_walk(tmp_path):
@@ -275,7 +295,7 @@ print(json.dumps({"error": cpu_kernels.build_error(), "impl": p.attn_impl,
     assert run.returncode == 0, run.stderr[-2000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert "no-such-compiler" in r["error"] and "failed" in r["error"]
-    assert r["impl"] == "xla" and "decode kernel is off" in r["why"]
+    assert r["impl"] == "xla" and "attention kernel is off" in r["why"]
     assert r["linear"] == "xla" and "few-row kernel is off" in r["linear_why"]
     assert r["out"] == pytest.approx(4 * 64)  # ones attending over ones
 

@@ -143,7 +143,7 @@ def test_plans_fit_and_pick_backend_choices(smollm2, name):
         check_within_budget(p)
         gpu = hw.backend == "gpu"
         assert p.compute_dtype == ("bfloat16" if gpu else "float32")
-        # the CPU's decode kernel where it builds (it takes both models' pages)
+        # the CPU's attention kernel where it builds (it takes both models' pages)
         assert p.attn_impl == ("pallas" if gpu else
                                "cpu" if cpu_kernels.build_error() is None else "xla")
         # a few rows' products: multiply-sums on XLA:CPU, dots on the GPU

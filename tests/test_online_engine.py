@@ -154,3 +154,18 @@ def test_few_row_products_experiment_quick(tmp_path, cache_dir):
     assert [[f["decode_rows"], f["chunk"]] for f in r["steps"].values()] == r["settings"]["steps"]
     for f in r["steps"].values():
         assert f["kernel_over_xla"] == pytest.approx(f["kernel_s"] / f["xla_s"])
+
+
+def test_chunk_attention_experiment_quick(tmp_path, cache_dir):
+    """experiments/chunk_attention.py --quick: the step with the CPU attention kernel beside
+    the same step with the XLA walk."""
+    from xlr_jax.ops import cpu_kernels
+
+    if cpu_kernels.build_error() is not None:
+        pytest.skip(cpu_kernels.build_error())
+    r = run_quick("chunk_attention.py", tmp_path, cache_dir)
+    assert r["experiment"] == "chunk_attention" and r["quick"] and "sha" in r["git"]
+    assert len(r["steps"]) == len(r["settings"]["steps"]) * len(r["settings"]["positions"])
+    for f in r["steps"].values():
+        assert f["kernel_over_walk"] == pytest.approx(f["kernel_s"] / f["walk_s"])
+        assert f["chunk_by_kernel"] == (0 < f["chunk"] <= r["max_queries"])

@@ -55,7 +55,7 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     decode rows and the prefill chunk beside them): smaller keeps the running streams'
     inter-token latency down while a new prompt prefills, larger gives that prompt its
     first token sooner. A prompt with nothing else running prefills in whole chunks.
-    attn_impl: "auto" (the plan's: Pallas on GPU; on the CPU its decode kernel where it
+    attn_impl: "auto" (the plan's: Pallas on GPU; on the CPU its attention kernel where it
     builds, else XLA), "pallas", "xla" or "cpu".
     linear_impl: a step's weight products of a few rows: "auto" (the plan's: on the CPU
     with f32 weights its few-row kernel where it builds, else XLA), "xla" or "cpu".

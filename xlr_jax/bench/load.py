@@ -26,6 +26,25 @@ def experiment_parser(doc: str, out: Path) -> argparse.ArgumentParser:
     return ap
 
 
+def experiment_settings(args, full: dict, quick: dict) -> dict:
+    """An experiment's settings: `quick` with --quick, else `full`; --rounds overrides."""
+    return {**(quick if args.quick else full), **({"rounds": args.rounds} if args.rounds else {})}
+
+
+def experiment_model(args, kernel: str | None = None):
+    """The embedded model in f32 with the prefix cache off (every prompt computed), from
+    --cache-dir's cache; `kernel`: the plan choice ("attn_impl", "linear_impl") that must
+    be the CPU kernel, else the experiment exits saying why it is off."""
+    import xlr_jax
+
+    model = xlr_jax.load_model("smollm2", dtype="float32", prefix_cache=False,
+                               cache_dir=args.cache_dir)
+    if kernel and getattr(model.plan, kernel) != "cpu":
+        model.shutdown()
+        raise SystemExit(f"the CPU kernel is off: {model.plan.reasons[kernel]}")
+    return model
+
+
 def text_prompts(model, passage: str, lengths: list[int], seed: int) -> list[list[int]]:
     """A prompt of each length: `passage` with its sentences reshuffled (`xlr bench`'s
     text prompts), seed + i for the i-th."""

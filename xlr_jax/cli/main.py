@@ -21,7 +21,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8", "fp8"], default=None,
                    help="KV page dtype (default: --dtype); int8/fp8 are quantized per token and head")
     p.add_argument("--attn-impl", choices=IMPLS, default="auto",
-                   help="attention: Pallas kernel, XLA reference or the CPU's decode kernel "
+                   help="attention: Pallas kernel, XLA reference or the CPU's attention kernel "
                         "(auto: Pallas on GPU, the CPU kernel where it builds)")
     p.add_argument("--linear-impl", choices=LINEAR_IMPLS, default="auto",
                    help="a step's weight products of a few rows: XLA's or the CPU's few-row "

@@ -1,20 +1,26 @@
-"""The CPU decode-attention kernel (`decode_attention.cc`): an XLA FFI custom call.
+"""The CPU's paged-attention kernel (`paged_attention.cc`): an XLA FFI custom call.
 
 XLA:CPU runs the pure-JAX walk as many small ops one after another, each reading a few
 pages on one thread (experiments/decode_attention_floor.py: 1.4-1.6x a lone read of the
-same bytes, which itself runs at 10-15 GB/s). The kernel reads each page in place, folds
-it into an online softmax while it is in the cache, and spreads the work over XLA's
-intra-op threads. `cpu_kernels` builds and registers it (`cpu_kernels.build_error()`).
+same bytes, which itself runs at 10-15 GB/s), and a prefill chunk's attention as masked
+pieces of score matrices. The kernel reads each page in place, folds it into an online
+softmax while it is in the cache (a block of a row's queries, decode rows, a chunk or
+verify rows, folds each K and V row once for all of them), and spreads the work over
+XLA's intra-op threads. `cpu_kernels` builds and registers it (`cpu_kernels.build_error()`).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-TARGET = "xlr_decode_attention"
+TARGET = "xlr_paged_attention"
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_GROUP = 8
 MAX_PAGE_SIZE = 256
+# queries a row: past this the XLA walk's products over pieces of pages win (a 256-token
+# chunk took 1.1-1.5x the walk's time from 1,024 positions on; 64 beside 8 decode rows
+# as long as the walk at 7,680 positions, less at 576-3,840)
+MAX_QUERIES = 64
 
 
 def takes(head_dim: int, group: int, page_size: int, kv_dtype) -> bool:
@@ -25,27 +31,28 @@ def takes(head_dim: int, group: int, page_size: int, kv_dtype) -> bool:
 
 
 def supports(q_shape, kv_pages, kv_scales=None) -> bool:
-    """Whether the kernel takes this decode call (`takes`, and no scales: f32 pages)."""
+    """Whether the kernel takes this call, q [rows, q_len, heads, dim]: `takes`, no scales
+    (f32 pages), and at most MAX_QUERIES queries a row."""
     k, v = kv_pages
-    heads, dim = q_shape[-2], q_shape[-1]
+    q_len, heads, dim = q_shape[-3], q_shape[-2], q_shape[-1]
     kv_heads, page_size = k.shape[-3], k.shape[-2]
     return (kv_scales is None and v.dtype == k.dtype and heads % kv_heads == 0
-            and takes(dim, heads // kv_heads, page_size, k.dtype))
+            and q_len <= MAX_QUERIES and takes(dim, heads // kv_heads, page_size, k.dtype))
 
 
-def decode_attention(q, kv_pages, block_tables, lengths, q_positions, *, layer=None,
-                     sliding_window=None):
-    """paged_attention's padded decode (q [rows, 1, heads, dim], q_positions [rows, 1])
-    by the kernel; call `cpu_kernels.build_error()` first (it registers the target)."""
+def attention(q, kv_pages, block_tables, lengths, q_positions, *, layer=None,
+              sliding_window=None):
+    """paged_attention's padded form (q [rows, q_len, heads, dim], q_positions [rows,
+    q_len]; a position < 0 sees nothing) by the kernel; call `cpu_kernels.build_error()`
+    first (it registers the target)."""
     k, v = kv_pages
     if layer is None:  # one layer's pages: a layer axis of one
         k, v, layer = k[None], v[None], 0
-    pos = q_positions[:, 0].astype(jnp.int32)
-    last = jnp.minimum(pos + 1, lengths.astype(jnp.int32))
+    pos = q_positions.astype(jnp.int32)
+    last = jnp.minimum(pos + 1, lengths.astype(jnp.int32)[:, None])
     first = (jnp.zeros_like(pos) if sliding_window is None
              else jnp.maximum(pos - sliding_window + 1, 0))
-    rows, _, heads, dim = q.shape
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, heads, dim), jnp.float32))(
-        q[:, 0].astype(jnp.float32), k, v, block_tables.astype(jnp.int32), first, last,
+    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32), k, v, block_tables.astype(jnp.int32), first, last,
         jnp.asarray(layer, jnp.int32))
-    return out[:, None].astype(q.dtype)
+    return out.astype(q.dtype)

@@ -1,4 +1,4 @@
-// What the CPU kernels (decode_attention.cc, linear.cc) share: 16-float vectors and a
+// What the CPU kernels (paged_attention.cc, linear.cc) share: 16-float vectors and a
 // task loop over XLA's intra-op threads.
 #pragma once
 

@@ -1,4 +1,4 @@
-"""The CPU kernels (XLA FFI custom calls in C++): decode attention (`decode_attention.cc`,
+"""The CPU kernels (XLA FFI custom calls in C++): paged attention (`paged_attention.cc`,
 used through `cpu_attention`) and few-row weight products (`linear.cc`, through
 `cpu_linear`).
 
@@ -22,10 +22,10 @@ from pathlib import Path
 import jax
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "decode_attention.cc", HERE / "linear.cc")
+SOURCES = (HERE / "paged_attention.cc", HERE / "linear.cc")
 HEADERS = (HERE / "cpu_kernels.h",)
 # custom-call target -> the symbol its handler is exported as
-TARGETS = {"xlr_decode_attention": "XlrDecodeAttention", "xlr_linear": "XlrLinear"}
+TARGETS = {"xlr_paged_attention": "XlrPagedAttention", "xlr_linear": "XlrLinear"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 _lock = threading.Lock()

@@ -8,7 +8,7 @@
 // blocks of output rows over XLA's intra-op threads. A step of 8 rows then costs about
 // what reading the weights costs.
 //
-// Built with decode_attention.cc by xlr_jax/ops/cpu_kernels.py (the host's C++
+// Built with paged_attention.cc by xlr_jax/ops/cpu_kernels.py (the host's C++
 // compiler, -march=native).
 #include <cstdint>
 

@@ -19,9 +19,9 @@ head (GQA): head h reads KV head h // (num_heads // kv_heads). A query that sees
 no position (padding) returns zeros.
 
 impl: "xla" is the pure-JAX reference below; "pallas" the kernel in
-`pallas_attention` (interpret mode off the GPU); "cpu" the CPU's decode kernel in
-`cpu_attention` (an XLA custom call) for one query per row, the XLA path for the
-rest; "auto" is Pallas on GPU and XLA elsewhere (XLA:CPU runs the reference faster
+`pallas_attention` (interpret mode off the GPU); "cpu" the CPU's kernel in
+`cpu_attention` (an XLA custom call) for f32 pages in the padded form, the XLA path for
+the rest; "auto" is Pallas on GPU and XLA elsewhere (XLA:CPU runs the reference faster
 than interpreted kernels; the plan picks "cpu" when its kernel builds).
 """
 from __future__ import annotations
@@ -61,12 +61,11 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
             raise ValueError("padded attention takes q [batch, q_len, heads, dim] and "
                              "q_positions [batch, q_len]; pass cu_q_lens for ragged q")
         if impl == "cpu":
-            if q.shape[1] == 1 and cpu_attention.supports(q.shape, kv_pages, kv_scales) \
+            if cpu_attention.supports(q.shape, kv_pages, kv_scales) \
                     and cpu_kernels.build_error() is None:
-                return cpu_attention.decode_attention(q, kv_pages, block_tables, lengths,
-                                                      q_positions, layer=layer,
-                                                      sliding_window=sliding_window)
-            impl = "xla"  # a chunk, or pages the kernel does not take: the XLA walk
+                return cpu_attention.attention(q, kv_pages, block_tables, lengths, q_positions,
+                                               layer=layer, sliding_window=sliding_window)
+            impl = "xla"  # pages or a chunk the kernel does not take: the XLA walk
         if impl == "xla" and pages_per_block:
             return paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions,
                                            pages_per_block=pages_per_block,

@@ -230,8 +230,8 @@ def activation_bytes(config: ModelConfig, max_batch: int, chunk: int, max_contex
 
 
 def _cpu_impl(config: ModelConfig, kv_dtype: str, page_size: int) -> tuple[str, str]:
-    """The CPU's attention: its decode kernel where it builds and takes the model's pages
-    (chunks take the XLA walk), else the XLA walk throughout; and why."""
+    """The CPU's attention: its attention kernel where it builds and takes the model's
+    pages, else the XLA walk; and why."""
     group = config.num_heads // config.num_kv_heads
     if cpu_attention.takes(config.head_dim, group, page_size, kv_dtype):
         why = cpu_kernels.build_error()
@@ -239,9 +239,11 @@ def _cpu_impl(config: ModelConfig, kv_dtype: str, page_size: int) -> tuple[str, 
         why = (f"head dim {config.head_dim}, {group} query heads a KV head, "
                f"{page_size}-slot {kv_dtype} pages")
     if why is None:
-        return "cpu", ("CPU: the decode-attention kernel (an XLA custom call, "
-                       "experiments/decode_attention_floor.py), the XLA walk for chunks")
-    return "xla", f"CPU: the XLA walk (the decode kernel is off: {why})"
+        return "cpu", ("CPU: the paged-attention kernel (an XLA custom call) for decode rows, "
+                       f"verify rows and chunks of up to {cpu_attention.MAX_QUERIES} tokens, "
+                       "the XLA walk for longer chunks (experiments/decode_attention_floor.py, "
+                       "chunk_attention.py)")
+    return "xla", f"CPU: the XLA walk (the attention kernel is off: {why})"
 
 
 def _cpu_linear(compute: str) -> tuple[str, str]:

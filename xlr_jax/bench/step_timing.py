@@ -1,0 +1,63 @@
+"""Timing one compiled ragged step in isolation, for experiments that compare two ways of
+running it side by side (experiments/few_row_products.py, chunk_attention.py)."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+
+def timed(fns: dict, rounds: int) -> dict:
+    """Median seconds of each fn() (it blocks until done), the fns taking turns per round;
+    each runs once first (compiles)."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def step_runner(model, steps, decode_rows: int, chunk: int, position: int, state: dict):
+    """fn() running one compiled step (`steps`) of `decode_rows` rows at `position`, each
+    on pages of its own, and a `chunk`-token chunk from there; the KV is threaded
+    through `state` (every step donates it)."""
+    import jax
+
+    from xlr_jax.model.sampling import SamplingParams
+
+    engine = model.engine
+    width, pages = steps.buckets.table_width, engine.kv.k.shape[1]
+    seen = -(-(position + chunk + 1) // engine.kv.page_size)
+    tables = [(np.arange(width, dtype=np.int32) + j * seen) % (pages - 1) + 1
+              for j in range(decode_rows + 1)]
+    builder = steps.builder(decode_rows, chunk)
+    rng = np.random.default_rng(0)
+    for j in range(decode_rows):
+        builder.decode(int(rng.integers(engine.config.vocab_size)), position, tables[j],
+                       SamplingParams(), 0)
+    if chunk:
+        ids = rng.integers(0, engine.config.vocab_size, chunk)
+        builder.prefill(ids.tolist(), position, tables[-1], SamplingParams(), 0)
+    batch = builder.build()
+
+    def run():
+        token, *_, state["kv"] = steps.step(engine.params, state["kv"], batch)
+        jax.block_until_ready(token)
+    return run
+
+
+def time_steps(model, steps: dict, shapes, position: int, rounds: int) -> dict:
+    """{(decode rows, chunk): {name: median seconds}} of each shape's step by each of
+    `steps` (name -> Steps over the model's params and KV), taking turns in every round."""
+    state = {"kv": model.engine.kv}
+    try:
+        return {(rows, chunk): timed({name: step_runner(model, st, rows, chunk, position, state)
+                                      for name, st in steps.items()}, rounds)
+                for rows, chunk in shapes}
+    finally:
+        model.engine.kv = state["kv"]  # the last step's: the engine's was donated
