@@ -27,32 +27,23 @@ Run: python experiments/decode_attention_floor.py [--out experiments/results] [-
 """
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 
-from xlr_jax.bench.load import experiment_parser
+from xlr_jax.bench.load import experiment_model, experiment_parser, experiment_settings
+from xlr_jax.bench.step_timing import step_runner, timed
 
 ROOT = Path(__file__).resolve().parent.parent
 FULL = dict(positions=[576, 1100, 2000, 4000], rounds=15, bandwidth_runs=5)
 QUICK = dict(positions=[64, 200], rounds=2, bandwidth_runs=2)
 
 
-def timed(fns: dict, args: dict, rounds: int) -> dict:
-    """Median seconds of each jitted fn(*args[name]), the fns taking turns per round."""
+def calls(fns: dict, args) -> dict:
+    """Each jitted fn(*args) as a function of nothing that blocks until it is done."""
     import jax
 
-    for name, fn in fns.items():  # compile
-        jax.block_until_ready(fn(*args[name]))
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args[name]))
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: (lambda fn=fn: jax.block_until_ready(fn(*args))) for name, fn in fns.items()}
 
 
 def attention_fns(model, position: int):
@@ -61,7 +52,7 @@ def attention_fns(model, position: int):
     import jax
     import jax.numpy as jnp
 
-    from xlr_jax.ops import cpu_attention, cpu_kernels, paged_attention
+    from xlr_jax.ops import cpu_kernels, paged_attention
 
     engine, c = model.engine, model.engine.config
     kv, buckets = engine.kv, engine.steps.buckets
@@ -96,24 +87,6 @@ def attention_fns(model, position: int):
     return fns, args
 
 
-def step_fn(model, position: int):
-    """The compiled 1-row decode step at `position`, as a function of nothing (each run
-    takes the KV the last one returned: the step donates it)."""
-    from xlr_jax.model.sampling import SamplingParams
-
-    engine = model.engine
-    steps = engine.steps
-    table = np.arange(steps.buckets.table_width, dtype=np.int32) % (engine.kv.k.shape[1] - 1) + 1
-    builder = steps.builder(1, 0)
-    builder.decode(1, position, table, SamplingParams(), 0)
-    batch = builder.build()
-
-    def run():
-        token, *_, engine.kv = steps.step(engine.params, engine.kv, batch)
-        return token
-    return run
-
-
 def overlap(model, position: int, rounds: int) -> dict:
     """A weight product and a page gather per layer, independent, alone and together."""
     import jax
@@ -142,25 +115,21 @@ def overlap(model, position: int, rounds: int) -> dict:
         return jax.jit(run)
 
     fns = {"product": make(True, False), "gather": make(False, True), "both": make(True, True)}
-    t = timed(fns, dict.fromkeys(fns, (x, w, kv.k, kv.v)), rounds)
+    t = timed(calls(fns, (x, w, kv.k, kv.v)), rounds)
     hidden = (t["product"] + t["gather"] - t["both"]) / min(t["product"], t["gather"])
     return {"position": position, "product_s": t["product"], "gather_s": t["gather"],
             "both_s": t["both"], "overlap_share": hidden}
 
 
 def main(argv=None) -> dict:
-    ap = experiment_parser(__doc__, ROOT / "experiments/results")
-    args = ap.parse_args(argv)
-    s = dict(QUICK if args.quick else FULL)
-    s["rounds"] = args.rounds or s["rounds"]
+    args = experiment_parser(__doc__, ROOT / "experiments/results").parse_args(argv)
+    s = experiment_settings(args, FULL, QUICK)
 
-    import xlr_jax
     from xlr_jax.bench.engines import XlrRunner
     from xlr_jax.bench.run import write_result
     from xlr_jax.planning.hardware import measure_bandwidth
 
-    model = xlr_jax.load_model("smollm2", dtype="float32", prefix_cache=False,
-                               cache_dir=args.cache_dir)
+    model = experiment_model(args)
     runner = XlrRunner("xlr-jax", model.engine, {})  # the roofline's byte counts
     bandwidth = measure_bandwidth("read", 1.0, s["bandwidth_runs"])
     gb_s = bandwidth["read_bandwidth_gb_per_s"]
@@ -168,9 +137,10 @@ def main(argv=None) -> dict:
     figures = {}
     for position in s["positions"]:
         fns, fn_args = attention_fns(model, position)
-        step = step_fn(model, position)
-        t = timed({**fns, "step": step}, {**dict.fromkeys(fns, fn_args), "step": ()},
-                  s["rounds"])
+        state = {"kv": model.engine.kv}  # each step donates it and returns the next
+        step = step_runner(model, model.engine.steps, 1, 0, position, state)
+        t = timed({**calls(fns, fn_args), "step": step}, s["rounds"])
+        model.engine.kv = state["kv"]
         del fns, fn_args  # the KV copies
         kv_bytes = runner.kv_bytes_per_position * (position + 1)
         at_bandwidth = kv_bytes / (gb_s * 1e9)

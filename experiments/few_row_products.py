@@ -39,16 +39,16 @@ def product_chain(params, products):
     """Every layer's four weight products and the LM head, chained, jitted."""
     import jax
 
-    from xlr_jax.model.decoder import _linear, lm_head
+    from xlr_jax.model.decoder import lm_head, linear
 
     @jax.jit
     def run(params, x):
         d = x.shape[-1]
         for lp in params.layers:
-            qkv = _linear(x, lp.wqkv, products)
-            x = x + _linear(qkv[:, :lp.wo.shape[1]], lp.wo, products)
-            gate_up = _linear(x, lp.w_gate_up, products)
-            x = x + _linear(gate_up[:, :lp.w_down.shape[1]], lp.w_down, products)
+            qkv = linear(x, lp.wqkv, products)
+            x = x + linear(qkv[:, :lp.wo.shape[1]], lp.wo, products)
+            gate_up = linear(x, lp.w_gate_up, products)
+            x = x + linear(gate_up[:, :lp.w_down.shape[1]], lp.w_down, products)
         return lm_head(params, x[:, :d], products)
     return run
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xlr_jax.bench.load import experiment_parser
+from xlr_jax.bench.load import experiment_model, experiment_parser, experiment_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSAGE = Path(__file__).with_name("cpu_vs_transformers.toml")  # its [prompt] passage
@@ -98,18 +98,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--budgets", type=int, nargs="+", help="max_step_tokens values to run")
     ap.add_argument("--streams", type=int, help="running streams (default 6; 3 with --quick)")
     args = ap.parse_args(argv)
-    s = dict(QUICK if args.quick else FULL)
+    s = {**experiment_settings(args, FULL, QUICK), "seed": args.seed}
     s["budgets"] = args.budgets or s["budgets"]
-    s["rounds"] = args.rounds or s["rounds"]
     s["streams"] = args.streams or s["streams"]
-    s["seed"] = args.seed
 
-    import xlr_jax
     from xlr_jax.bench.load import decode_gaps, run_load, text_prompts
     from xlr_jax.bench.run import write_result
 
-    model = xlr_jax.load_model("smollm2", dtype="float32", prefix_cache=False,
-                               cache_dir=args.cache_dir)
+    model = experiment_model(args)
     default = model.engine.max_step_tokens
     passage = tomllib.loads(PASSAGE.read_text())["prompt"]["passage"]
     prompts = text_prompts(model, passage, [s["stream_prompt"]] * s["streams"]

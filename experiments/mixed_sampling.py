@@ -40,7 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from xlr_jax.bench.load import experiment_parser
+from xlr_jax.bench.load import experiment_model, experiment_parser, experiment_settings
+from xlr_jax.bench.step_timing import row_tables
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSAGE = Path(__file__).with_name("cpu_vs_transformers.toml")  # its [prompt] passage
@@ -74,10 +75,8 @@ def step_batches(model, s: dict) -> dict:
     from xlr_jax.model.sampling import SamplingParams
 
     engine = model.engine
-    width, pages = engine.steps.buckets.table_width, engine.kv.k.shape[1]
-    seen = -(-(s["position"] + 1) // engine.kv.page_size)
-    tables = [(np.arange(width, dtype=np.int32) + j * seen) % (pages - 1) + 1
-              for j in range(s["rows"])]
+    tables = row_tables(engine, engine.steps.buckets.table_width, s["rows"],
+                        -(-(s["position"] + 1) // engine.kv.page_size))
     tokens = np.random.default_rng(s["seed"]).integers(engine.config.vocab_size, size=s["rows"])
     greedy = s["rows"] - s["rows"] // 2
 
@@ -175,16 +174,13 @@ def main(argv=None) -> dict:
     ap = experiment_parser(__doc__, ROOT / "experiments/results")
     ap.add_argument("--rows", type=int, help="rows of the step, streams of the engine")
     args = ap.parse_args(argv)
-    s = dict(QUICK if args.quick else FULL, seed=args.seed)
+    s = {**experiment_settings(args, FULL, QUICK), "seed": args.seed}
     s["rows"] = args.rows or s["rows"]
-    s["rounds"] = args.rounds or s["rounds"]
 
-    import xlr_jax
     from xlr_jax.bench.load import text_prompts
     from xlr_jax.bench.run import write_result
 
-    model = xlr_jax.load_model("smollm2", dtype="float32", prefix_cache=False,
-                               cache_dir=args.cache_dir)
+    model = experiment_model(args)
     passage = tomllib.loads(PASSAGE.read_text())["prompt"]["passage"]
     prompts = text_prompts(model, passage, [s["prompt"]] * s["rows"], s["seed"])
     step = time_steps(model, s)

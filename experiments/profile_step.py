@@ -24,11 +24,10 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from xlr_jax.api import load_model
 from xlr_jax.bench.run import git_state
-from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.bench.step_timing import step_batch
 
 
 def summarize(trace_dir: str) -> list[tuple[str, int, float]]:
@@ -64,22 +63,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     model = load_model(args.model, prefix_cache=False)
-    engine = model.engine
-    steps, params, kv = engine.steps, engine.params, engine.kv
-    width, pages = steps.buckets.table_width, kv.k.shape[1]
-    seen = -(-(args.start + 1) // kv.page_size)  # the pages a row at `start` reads
-    # row j's table: its own run of pages after row j - 1's (page 0 is the scratch page)
-    tables = [(np.arange(width, dtype=np.int32) + j * seen) % (pages - 1) + 1
-              for j in range(args.rows + 1)]
-    builder = steps.builder(args.rows, args.chunk)
-    rng = np.random.default_rng(0)
-    for j in range(args.rows):
-        builder.decode(int(rng.integers(engine.config.vocab_size)), args.start, tables[j],
-                       SamplingParams(), 0)
-    if args.chunk:
-        ids = rng.integers(0, engine.config.vocab_size, args.chunk)
-        builder.prefill(ids.tolist(), args.start, tables[-1], SamplingParams(), 0)
-    batch = builder.build()
+    steps, params, kv = model.engine.steps, model.engine.params, model.engine.kv
+    batch = step_batch(model, steps, args.rows, args.chunk, args.start)
 
     times = []
     for _ in range(args.runs + 1):  # the first compiles

@@ -11,7 +11,7 @@ import pytest
 
 from xlr_jax.bench.engines import random_params
 from xlr_jax.model.config import ModelConfig
-from xlr_jax.model.decoder import RowProducts, _linear
+from xlr_jax.model.decoder import RowProducts, linear
 from xlr_jax.model.sampling import SamplingParams
 from xlr_jax.ops import cpu_kernels, cpu_linear
 from xlr_jax.planning.mapper import REDUCE_ROWS, buckets_for
@@ -65,7 +65,7 @@ def test_kernel_declines_what_it_does_not_take():
     # and _linear then takes the multiply-sum or the dot, with the same result
     x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 40)), jnp.float32)
     w40 = jnp.asarray(np.random.default_rng(3).standard_normal((8, 40)), jnp.float32)
-    out = _linear(x, w40, RowProducts(REDUCE_ROWS, cpu_linear.MAX_ROWS))
+    out = linear(x, w40, RowProducts(REDUCE_ROWS, cpu_linear.MAX_ROWS))
     assert product_error(out, x, w40) < 1e-5
 
 

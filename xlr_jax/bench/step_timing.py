@@ -22,19 +22,23 @@ def timed(fns: dict, rounds: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def step_runner(model, steps, decode_rows: int, chunk: int, position: int, state: dict):
-    """fn() running one compiled step (`steps`) of `decode_rows` rows at `position`, each
-    on pages of its own, and a `chunk`-token chunk from there; the KV is threaded
-    through `state` (every step donates it)."""
-    import jax
+def row_tables(engine, width: int, rows: int, seen: int) -> list[np.ndarray]:
+    """Block tables of `width` pages for `rows` rows, row j on a run of `seen` pages of its
+    own after row j - 1's (page 0, the scratch page, is skipped); the pages hold whatever
+    they hold, which does not change a step's cost."""
+    pages = engine.kv.k.shape[1]
+    return [(np.arange(width, dtype=np.int32) + j * seen) % (pages - 1) + 1
+            for j in range(rows)]
 
+
+def step_batch(model, steps, decode_rows: int, chunk: int, position: int):
+    """A StepBatch (for `steps`' buckets) of `decode_rows` random tokens at `position`,
+    each row on pages of its own, and a `chunk`-token random chunk from there."""
     from xlr_jax.model.sampling import SamplingParams
 
     engine = model.engine
-    width, pages = steps.buckets.table_width, engine.kv.k.shape[1]
     seen = -(-(position + chunk + 1) // engine.kv.page_size)
-    tables = [(np.arange(width, dtype=np.int32) + j * seen) % (pages - 1) + 1
-              for j in range(decode_rows + 1)]
+    tables = row_tables(engine, steps.buckets.table_width, decode_rows + 1, seen)
     builder = steps.builder(decode_rows, chunk)
     rng = np.random.default_rng(0)
     for j in range(decode_rows):
@@ -43,10 +47,18 @@ def step_runner(model, steps, decode_rows: int, chunk: int, position: int, state
     if chunk:
         ids = rng.integers(0, engine.config.vocab_size, chunk)
         builder.prefill(ids.tolist(), position, tables[-1], SamplingParams(), 0)
-    batch = builder.build()
+    return builder.build()
+
+
+def step_runner(model, steps, decode_rows: int, chunk: int, position: int, state: dict):
+    """fn() running one compiled step (`steps`) of `step_batch`'s batch; the KV is
+    threaded through `state` (every step donates it)."""
+    import jax
+
+    batch = step_batch(model, steps, decode_rows, chunk, position)
 
     def run():
-        token, *_, state["kv"] = steps.step(engine.params, state["kv"], batch)
+        token, *_, state["kv"] = steps.step(model.engine.params, state["kv"], batch)
         jax.block_until_ready(token)
     return run
 

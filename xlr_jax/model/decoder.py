@@ -125,7 +125,7 @@ class RowProducts(NamedTuple):
     kernel_rows: int = 0  # 2..this many rows: the CPU kernel (ops.cpu_linear), if it takes w
 
 
-def _linear(x, w, products: RowProducts = RowProducts(), out_dtype=None):
+def linear(x, w, products: RowProducts = RowProducts(), out_dtype=None):
     """x [..., d] @ w.T for w [out, d], in `out_dtype` (default x's): a dot, or for a
     few rows the CPU kernel or a multiply-sum (see RowProducts)."""
     rows = int(np.prod(x.shape[:-1]))
@@ -153,9 +153,9 @@ def decoder(params: Params, kv: PagedKV, tokens, positions, page_ids, offsets, a
     slot `offsets` of page `page_ids` (the scratch page for padding), and
     `attend(q [N, H, D], (k, v), scales, layer)` reads the pages (whatever layout the
     caller's batch has). Returns the final hidden states [N, d] (after the final norm)
-    and the new KV. `products`: see `_linear`."""
+    and the new KV. `products`: see `linear`."""
     c = config
-    lin = lambda x, w: _linear(x, w, products)  # noqa: E731
+    lin = lambda x, w: linear(x, w, products)  # noqa: E731
     cos, sin = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
     x = params.embed[tokens]
     k_all, v_all, k_scale, v_scale = kv.k, kv.v, kv.k_scale, kv.v_scale
@@ -262,6 +262,6 @@ def forward_step(params: Params, kv: PagedKV, batch: StepBatch, *, config: Model
 
 
 def lm_head(params: Params, hidden, products: RowProducts = RowProducts()):
-    """Logits in f32 for hidden states [..., d] (`products`: see `_linear`)."""
+    """Logits in f32 for hidden states [..., d] (`products`: see `linear`)."""
     w = params.embed if params.lm_head is None else params.lm_head
-    return _linear(hidden, w, products, jnp.float32)
+    return linear(hidden, w, products, jnp.float32)
