@@ -59,10 +59,14 @@ def main(argv=None) -> int:
                    help="chunk tokens (a chunk bucket; 0: none)")
     p.add_argument("--rows", type=int, default=0, help="decode rows (a batch bucket)")
     p.add_argument("--runs", type=int, default=5, help="timed runs before the traced one")
+    p.add_argument("--attn-impl", default="auto", help="the plan's attention, or this one")
+    p.add_argument("--linear-impl", default="auto",
+                   help="the plan's few-row products, or these (\"xla\": before the kernel)")
     p.add_argument("--out", help="also write the summary to this file")
     args = p.parse_args(argv)
 
-    model = load_model(args.model, prefix_cache=False)
+    model = load_model(args.model, prefix_cache=False, attn_impl=args.attn_impl,
+                       linear_impl=args.linear_impl)
     steps, params, kv = model.engine.steps, model.engine.params, model.engine.kv
     batch = step_batch(model, steps, args.rows, args.chunk, args.start)
 
@@ -82,7 +86,8 @@ def main(argv=None) -> int:
     what = " and ".join(([f"{args.rows} decode rows at"] if args.rows else [])
                         + ([f"a {args.chunk}-token chunk from"] if args.chunk else []))
     lines = [f"# {what} position {args.start}, {args.model}, "
-             f"{jax.default_backend()} plan; git {git_state()}",
+             f"{jax.default_backend()} plan (attn_impl {model.plan.attn_impl}, linear_impl "
+             f"{model.plan.linear_impl}); git {git_state()}",
              f"# step wall time, median of {args.runs}: "
              f"{statistics.median(times[1:]) * 1e3:.1f} ms;"
              f" ops (summed over XLA's threads, `while` not added): {ops_ms:.1f} ms",
