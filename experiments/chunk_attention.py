@@ -1,12 +1,12 @@
 """The CPU's attention kernel on the engine's steps (issue 15, targets 1, 3 and 4): the
 compiled ragged step with the plan's attention (`attn_impl` "cpu": the kernel for decode
-rows and for chunks of up to `ops.cpu_attention.MAX_QUERIES` tokens) against the same
-step with the XLA walk throughout (`"xla"`), side by side.
+rows and for prefill chunks, in tiles of 16 query vectors) against the same step with the
+XLA walk throughout (`"xla"`), side by side.
 
 Shapes: 8 decode rows alone and with a 16-, 32- or 64-token chunk beside them (a
 newcomer's prefill under step budgets of 24, 40 and 72 tokens), and a 256-token chunk
-alone (a long prompt's prefill, which the walk keeps), each at positions 576, 3,840 and
-7,680. Both take turns in every round; figures are medians. Writes JSON.
+alone (a long prompt's prefill), each at positions 576, 3,840 and 7,680. Both take turns
+in every round; figures are medians. Writes JSON.
 Run: python experiments/chunk_attention.py [--out experiments/results] [--rounds 5]
      [--quick] [--cache-dir DIR]
 """
@@ -26,7 +26,6 @@ QUICK = dict(rounds=2, positions=[64], steps=[[2, 16]])
 def step_figures(model, s: dict) -> dict:
     """Each shape's step by the plan's attention and by the XLA walk, side by side."""
     from xlr_jax.model.steps import Steps
-    from xlr_jax.ops import cpu_attention
 
     kernel = model.engine.steps
     walk = Steps(model.engine.config, kernel.buckets, "xla", kernel.compiler_options)
@@ -37,7 +36,6 @@ def step_figures(model, s: dict) -> dict:
         for (rows, chunk), t in times.items():
             figures[f"{rows}+{chunk}@{position}"] = {
                 "decode_rows": rows, "chunk": chunk, "position": position,
-                "chunk_by_kernel": 0 < chunk <= cpu_attention.MAX_QUERIES,
                 "kernel_s": t["kernel"], "walk_s": t["walk"],
                 "kernel_over_walk": t["kernel"] / t["walk"]}
             print(f"{rows} rows + {chunk} at {position}: {t['kernel'] * 1e3:.1f} ms against "
@@ -48,7 +46,6 @@ def step_figures(model, s: dict) -> dict:
 
 def main(argv=None) -> dict:
     from xlr_jax.bench.run import write_result
-    from xlr_jax.ops import cpu_attention
 
     args = experiment_parser(__doc__, ROOT / "experiments/results").parse_args(argv)
     s = experiment_settings(args, FULL, QUICK)
@@ -57,7 +54,7 @@ def main(argv=None) -> dict:
         figures = step_figures(model, s)
     finally:
         model.shutdown()
-    result = {"settings": s, "max_queries": cpu_attention.MAX_QUERIES, "steps": figures}
+    result = {"settings": s, "steps": figures}
     path = write_result(args.out, "chunk_attention", result, quick=args.quick)
     print(f"results: {path}")
     return result

@@ -212,7 +212,7 @@ def test_cpu_kernel_builds_where_a_compiler_is():
 
 
 def cpu_kernel_cases(seed: int, *, q_len: int, head_dim: int, lengths: list[int],
-                     shared: bool):
+                     shared: bool, page_size: int = 8, table_width: int = 6):
     """Every group of 1 to 8 query heads a KV head, with and without a sliding window,
     through the CPU kernel on the layer picked from a two-layer pool, against the
     float64 dense reference; the first row's last query is padding and gets zeros."""
@@ -223,8 +223,8 @@ def cpu_kernel_cases(seed: int, *, q_len: int, head_dim: int, lengths: list[int]
         for window in (None, 19):
             q, k, v, tables, lens, positions = make_case(
                 int(rng.integers(1 << 30)), batch=len(lengths), q_len=q_len,
-                heads=2 * group, kv_heads=2, head_dim=head_dim, page_size=8,
-                lengths=lengths, table_width=6, shared=shared)
+                heads=2 * group, kv_heads=2, head_dim=head_dim, page_size=page_size,
+                lengths=lengths, table_width=table_width, shared=shared)
             positions = positions.at[0, -1].set(-1)  # a padding query: sees nothing
             assert cpu_attention.supports(q.shape, (k, v))
             out = paged_attention(q, (jnp.stack([v, k]), jnp.stack([k, v])), tables, lens,
@@ -245,16 +245,26 @@ def test_cpu_kernel_every_group_and_head_dim(head_dim):
 
 @pytest.mark.parametrize("q_len", [2, 5, 16, 37])
 def test_cpu_kernel_folds_blocks_of_queries(q_len):
-    """Several queries a row (a prefill chunk, verify rows) through the CPU kernel: blocks
-    of queries fold the slots they all see together, and the causal diagonal and a
-    window's edge query by query; a short last block; two rows on pages of their own."""
+    """Several queries a row (a prefill chunk, verify rows) through the CPU kernel: with
+    few query vectors (2 queries of up to 5 heads), blocks of queries fold the slots they
+    all see together and the causal diagonal and a window's edge query by query; with
+    more, tiles of 16 query vectors mask each lane's slots, a tile's vectors spanning
+    queries (groups that do not divide 16) and a short last tile; two rows on pages of
+    their own."""
     cpu_kernel_cases(q_len * 100, q_len=q_len, head_dim=64, lengths=[q_len + 3, q_len + 30],
                      shared=False)
 
 
+def test_cpu_kernel_takes_a_long_chunk_in_tiles():
+    """A 150-token chunk (a prefill chunk's shape): many tiles a row and KV head, each
+    walking a dozen 16-slot pages with the diagonal and a window's edge inside them."""
+    cpu_kernel_cases(7, q_len=150, head_dim=64, lengths=[170, 190], shared=False,
+                     page_size=16, table_width=12)
+
+
 def test_cpu_kernel_declines_what_it_does_not_take():
-    """Quantized pages, bf16 pages, a head dim outside its list and a chunk of more than
-    MAX_QUERIES tokens take the XLA walk."""
+    """Quantized pages, bf16 pages and a head dim outside its list take the XLA walk; a
+    whole 256-token chunk takes the kernel."""
     q, k, v, *_ = make_case(4, batch=1, q_len=1, heads=4, kv_heads=2, head_dim=64,
                             page_size=8, lengths=[5], table_width=1)
     assert cpu_attention.supports(q.shape, (k, v))
@@ -262,8 +272,7 @@ def test_cpu_kernel_declines_what_it_does_not_take():
     assert not cpu_attention.supports(q.shape, (k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)))
     assert not cpu_attention.supports((1, 1, 4, 48), (k[..., :48], v[..., :48]))
     assert not cpu_attention.supports((1, 1, 18, 64), (k, v))  # 9 query heads a KV head
-    assert cpu_attention.supports((1, cpu_attention.MAX_QUERIES, 4, 64), (k, v))
-    assert not cpu_attention.supports((1, cpu_attention.MAX_QUERIES + 1, 4, 64), (k, v))
+    assert cpu_attention.supports((1, 256, 4, 64), (k, v))
 
 
 def test_cpu_kernel_build_failure_keeps_the_xla_walk(tmp_path):

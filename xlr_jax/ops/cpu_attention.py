@@ -3,10 +3,12 @@
 XLA:CPU runs the pure-JAX walk as many small ops one after another, each reading a few
 pages on one thread (experiments/decode_attention_floor.py: 1.4-1.6x a lone read of the
 same bytes, which itself runs at 10-15 GB/s), and a prefill chunk's attention as masked
-pieces of score matrices. The kernel reads each page in place, folds it into an online
-softmax while it is in the cache (a block of a row's queries, decode rows, a chunk or
-verify rows, folds each K and V row once for all of them), and spreads the work over
-XLA's intra-op threads. `cpu_kernels` builds and registers it (`cpu_kernels.build_error()`).
+pieces of score matrices over gathered copies of its pages. The kernel reads each page in
+place, folds it into an online softmax while it is in the cache (a decode row's query
+heads, or a chunk's queries in tiles of 16 query vectors, fold each K and V row once for
+all of them), and spreads the work over XLA's intra-op threads. It takes every row the
+engine runs: decode, verify rows and chunks of any length (experiments/chunk_attention.py).
+`cpu_kernels` builds and registers it (`cpu_kernels.build_error()`).
 """
 from __future__ import annotations
 
@@ -17,10 +19,6 @@ TARGET = "xlr_paged_attention"
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_GROUP = 8
 MAX_PAGE_SIZE = 256
-# queries a row: past this the XLA walk's products over pieces of pages win (a 256-token
-# chunk took 1.1-1.5x the walk's time from 1,024 positions on; 64 beside 8 decode rows
-# as long as the walk at 7,680 positions, less at 576-3,840)
-MAX_QUERIES = 64
 
 
 def takes(head_dim: int, group: int, page_size: int, kv_dtype) -> bool:
@@ -31,13 +29,13 @@ def takes(head_dim: int, group: int, page_size: int, kv_dtype) -> bool:
 
 
 def supports(q_shape, kv_pages, kv_scales=None) -> bool:
-    """Whether the kernel takes this call, q [rows, q_len, heads, dim]: `takes`, no scales
-    (f32 pages), and at most MAX_QUERIES queries a row."""
+    """Whether the kernel takes this call, q [rows, q_len, heads, dim]: `takes` and no
+    scales (f32 pages)."""
     k, v = kv_pages
-    q_len, heads, dim = q_shape[-3], q_shape[-2], q_shape[-1]
+    heads, dim = q_shape[-2], q_shape[-1]
     kv_heads, page_size = k.shape[-3], k.shape[-2]
     return (kv_scales is None and v.dtype == k.dtype and heads % kv_heads == 0
-            and q_len <= MAX_QUERIES and takes(dim, heads // kv_heads, page_size, k.dtype))
+            and takes(dim, heads // kv_heads, page_size, k.dtype))
 
 
 def attention(q, kv_pages, block_tables, lengths, q_positions, *, layer=None,

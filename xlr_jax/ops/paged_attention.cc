@@ -2,19 +2,26 @@
 //
 // Queries [rows, q_len, heads, dim] (decode: one a row; a prefill chunk or verify rows:
 // several of one sequence), f32 pages, GQA. XLA:CPU runs the pure-JAX walk as many small
-// ops, one after another, each reading a few pages on one thread; this reads every page
-// in place (no gather copy), folds it into an online softmax while it is in the cache,
-// and spreads (row, block of queries, KV head, run of pages) tasks over XLA's intra-op
-// threads. A block's queries fold each K and V row once for all of them and all their
-// query heads; the slots only some of them see (the causal diagonal, a window's edge)
-// are folded query by query. Semantics are paged_attention_xla's: the query at row b,
-// index t sees positions [first[b, t], last[b, t]); one that sees nothing gets zeros.
+// ops, one after another, each reading a few pages on one thread, and gathers a chunk's
+// pages into copies; this reads every page in place, folds it into an online softmax
+// while it is in the cache, and spreads (row, block of query vectors, KV head, run of
+// pages) tasks over XLA's intra-op threads.
+//
+// A row of few query vectors a KV head (decode, short verify rows) folds each K and V
+// row once for all of them, a dot product and a horizontal sum per vector; with several
+// queries, the slots only some of them see (the causal diagonal, a window's edge) are
+// folded query by query. A row of many (a chunk) goes in tiles of 16 query vectors, one
+// a lane, against 12 slots at a time: every product is a vector multiply-add against one
+// broadcast K or V element, and each lane masks the slots it does not see. Semantics are
+// paged_attention_xla's: the query at row b, index t sees positions [first[b, t],
+// last[b, t]); one that sees nothing gets zeros.
 //
 // Built with linear.cc by xlr_jax/ops/cpu_kernels.py (the host's C++ compiler,
 // -march=native).
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -100,6 +107,98 @@ void fold_slots(const float* q, const float* k, const float* v, int64_t slots, f
     for (int i = 0; i < kV; ++i) store(acc + g * D + i * 16, a[g][i]);
 }
 
+// A tile: up to 16 query vectors of one KV head (a chunk's or verify rows' queries
+// times their group's heads), one per lane, each with the positions it sees [lo, hi).
+// Lanes hold queries so that scores, the softmax and the values' products are all
+// vector multiply-adds against one K or V element broadcast: no horizontal sums. Its
+// online softmax state: peak and total per lane, and the output transposed, ot[D][16].
+//
+// scores[s] (16 lanes) = qt . K row s for R slots at a time: R accumulators while qt's
+// D vectors stream past them
+template <int D, int R>
+void tile_scores(const float* qt, const float* k, float* scores) {
+  vf acc[R] = {};
+  for (int d = 0; d < D; ++d) {
+    const vf qv = load(qt + d * 16);
+    for (int i = 0; i < R; ++i) acc[i] += qv * k[i * D + d];
+  }
+  for (int i = 0; i < R; ++i) store(scores + i * 16, acc[i]);
+}
+
+template <int D, int... Rs>
+void tile_scores_tail(const float* qt, const float* k, float* scores, int64_t n,
+                      std::integer_sequence<int, Rs...>) {
+  using Fn = void (*)(const float*, const float*, float*);
+  static constexpr Fn table[] = {tile_scores<D, Rs + 1>...};
+  table[n - 1](qt, k, scores);
+}
+
+constexpr int kTileSlots = 12;  // slots a scores pass takes (12 accumulators)
+// A row's query vectors a KV head from which tiles pay: at 12 and more a tile took
+// 0.51-0.83x the time of blocks of whole queries folding each slot with a horizontal sum
+// per query vector; at 6 (2 queries of 3 heads) 1.65x.
+constexpr int64_t kTileVectors = 12;
+
+// Fold `slots` consecutive slots of one page (K and V rows of D floats, the first at
+// position pos0) into the tile's online softmax.
+// Every lane sees positions [all_lo, all_hi): slots inside it skip the mask.
+template <int D>
+void fold_tile(const float* qt, const float* k, const float* v, int64_t slots, int64_t pos0,
+               vi lo, vi hi, int64_t all_lo, int64_t all_hi, vf& peak, vf& total, float* ot) {
+  alignas(64) float w[kMaxPageSize * 16];
+  int64_t s = 0;
+  for (; s + kTileSlots <= slots; s += kTileSlots)
+    tile_scores<D, kTileSlots>(qt, k + s * D, w + s * 16);
+  if (s < slots)
+    tile_scores_tail<D>(qt, k + s * D, w + s * 16, slots - s,
+                        std::make_integer_sequence<int, kTileSlots - 1>{});
+  const vf none = vf{} - std::numeric_limits<float>::infinity();
+  vf m = peak;
+  const bool masked = pos0 < all_lo || pos0 + slots > all_hi;
+  for (s = 0; s < slots; ++s) {  // a lane's slots outside its range count for nothing
+    vf x = load(w + s * 16);
+    if (masked) {
+      const vi pos = vi{} + static_cast<int32_t>(pos0 + s);
+      x = (pos >= lo) & (pos < hi) ? x : none;
+      store(w + s * 16, x);
+    }
+    m = m > x ? m : x;
+  }
+  // a lane that has seen nothing yet keeps a base of 0: its exps are then exp(-inf) = 0
+  const vf base = m == none ? vf{} : m;
+  const vf rescale = exp_nonpositive(peak - base);
+  vf sum = vf{};
+  for (s = 0; s < slots; ++s) {
+    const vf e = exp_nonpositive(load(w + s * 16) - base);
+    store(w + s * 16, e);
+    sum += e;
+  }
+  total = total * rescale + sum;
+  peak = m;
+  for (int d0 = 0; d0 < D; d0 += 16) {  // ot[d] += sum_s w[s] V[s, d], 16 dims at a time
+    vf acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = load(ot + (d0 + i) * 16) * rescale;
+    for (s = 0; s < slots; ++s) {
+      const vf ws = load(w + s * 16);
+      for (int i = 0; i < 16; ++i) acc[i] += ws * v[s * D + d0 + i];
+    }
+    for (int i = 0; i < 16; ++i) store(ot + (d0 + i) * 16, acc[i]);
+  }
+}
+
+using TileFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, vi, vi,
+                        int64_t, int64_t, vf&, vf&, float*);
+
+TileFn tile_for(int64_t dim) {
+  switch (dim) {
+    case 32: return fold_tile<32>;
+    case 64: return fold_tile<64>;
+    case 128: return fold_tile<128>;
+    case 256: return fold_tile<256>;
+    default: return nullptr;
+  }
+}
+
 using FoldFn = void (*)(const float*, const float*, const float*, int64_t, float, float*,
                         float*, float*);
 
@@ -157,10 +256,14 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t layers = kd[0], num_pages = kd[1], kv_heads = kd[2], page_size = kd[3];
   const int64_t width = tables.dimensions()[1];
   const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
+  const int64_t per_row = q_len * group;  // a row's query vectors per KV head
+  const bool tiled = q_len > 1 && per_row >= kTileVectors;
   const int64_t block = block_queries(std::max<int64_t>(group, 1), q_len);
   const FoldFn fold_row = group * kv_heads == heads ? fold_for(group, dim) : nullptr;
   const FoldFn fold_block = fold_row ? fold_for(block * group, dim) : nullptr;
-  if (fold_block == nullptr || kd[4] != dim || page_size > kMaxPageSize)
+  const TileFn fold_tiles = fold_row ? tile_for(dim) : nullptr;
+  if ((tiled ? fold_tiles == nullptr : fold_block == nullptr) || kd[4] != dim ||
+      page_size > kMaxPageSize)
     return ffi::Error::InvalidArgument("paged attention: unsupported shape (head dim 32, "
                                        "64, 128 or 256, at most 8 query heads per KV head, "
                                        "pages of at most 256 slots)");
@@ -179,40 +282,74 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     hi[i] = std::min<int64_t>(std::max(last.typed_data()[i], 0), width * page_size);
     lo[i] = std::clamp<int64_t>(first.typed_data()[i], 0, hi[i]);
   }
-  // blocks of `block` queries of one row; each (block, KV head) walks the union of its
-  // queries' pages in pieces: of kPiecePages pages while there are few blocks, so that
-  // every thread has work, else whole
-  const int64_t blocks_per_row = (q_len + block - 1) / block, blocks = rows * blocks_per_row;
+  // A block: `folded` consecutive query vectors of a row and KV head, in [query][group
+  // head] order: a tile of 16, or `block` whole queries. Each (block, KV head) walks the
+  // union of its queries' ranges in pieces: of kPiecePages pages while there are few
+  // blocks, so that every thread has work, else whole.
+  const int64_t folded = tiled ? 16 : block * group;
+  const int64_t blocks_per_row = (per_row + folded - 1) / folded, blocks = rows * blocks_per_row;
   const int64_t piece_pages = blocks * kv_heads >= 16 ? width : kPiecePages;
-  std::vector<int64_t> first_page(blocks), pieces(blocks), block_task(blocks + 1, 0);
+  std::vector<int64_t> seen_lo(blocks), seen_hi(blocks), pieces(blocks), block_task(blocks + 1);
   for (int64_t k = 0; k < blocks; ++k) {
-    const int64_t q0 = (k / blocks_per_row) * q_len + (k % blocks_per_row) * block;
-    const int64_t q1 = std::min(q0 + block, (k / blocks_per_row + 1) * q_len);
-    int64_t u0 = width * page_size, u1 = 0;  // the union of the queries' ranges
-    for (int64_t i = q0; i < q1; ++i)
+    const int64_t b = k / blocks_per_row, v0 = (k % blocks_per_row) * folded;
+    int64_t u0 = width * page_size, u1 = 0;
+    const int64_t t1 = (std::min(v0 + folded, per_row) - 1) / group;  // its last query
+    for (int64_t i = b * q_len + v0 / group; i <= b * q_len + t1; ++i) {
       if (hi[i] > lo[i]) u0 = std::min(u0, lo[i]), u1 = std::max(u1, hi[i]);
-    const int64_t pages = u1 > u0 ? (u1 + page_size - 1) / page_size - u0 / page_size : 0;
-    first_page[k] = u1 > u0 ? u0 / page_size : 0;
+    }
+    seen_lo[k] = u1 > u0 ? u0 : 0, seen_hi[k] = std::max(u1, seen_lo[k]);
+    const int64_t pages = (seen_hi[k] + page_size - 1) / page_size - seen_lo[k] / page_size;
     pieces[k] = std::max<int64_t>((pages + piece_pages - 1) / piece_pages, 1);
     block_task[k + 1] = block_task[k] + kv_heads * pieces[k];
   }
   const int64_t tasks = block_task[blocks];
-  const int64_t folded = block * group;             // query vectors a task folds
-  const int64_t stride = folded * (dim + 2);       // a task's peak, total, acc[folded][dim]
+  const int64_t stride = folded * (dim + 2);  // a task's peak, total, acc[folded][dim]
   std::vector<float> partial(tasks * stride);
 
-  auto run = [&](int64_t t) {
-    const int64_t k = std::upper_bound(block_task.begin(), block_task.end(), t) -
-                      block_task.begin() - 1;
-    const int64_t h = (t - block_task[k]) / pieces[k], piece = (t - block_task[k]) % pieces[k];
-    const int64_t b = k / blocks_per_row;
+  // a block's pages from page p0 on (its piece), each (page, its first position) to
+  // fold(page's K and V at its slot `from`, count, the first's position)
+  auto walk = [&](int64_t k, int64_t b, int64_t h, int64_t piece, int64_t from, int64_t to,
+                  auto&& fold) {
+    const int64_t p0 = seen_lo[k] / page_size + piece * piece_pages;
+    for (int64_t p = p0; p < p0 + piece_pages && p < width; ++p) {
+      const int64_t page = tp[b * width + p];
+      if (page < 0 || page >= num_pages) continue;  // out of the pool: nothing to read
+      const int64_t start = p * page_size, at = (page * kv_heads + h) * page_size;
+      const int64_t s0 = std::max(from, start), s1 = std::min(to, start + page_size);
+      if (s1 > s0) fold(kp + (at + s0 - start) * dim, vp + (at + s0 - start) * dim, s1 - s0, s0);
+    }
+  };
+
+  auto run_tile = [&](int64_t k, int64_t b, int64_t h, int64_t piece, float* part) {
+    const int64_t v0 = (k % blocks_per_row) * folded, n = std::min(folded, per_row - v0);
+    alignas(64) float qt[256 * 16], ot[256 * 16];
+    // a short tile's spare lanes repeat its last vector (folded, never merged)
+    vi tile_lo, tile_hi;
+    int64_t all_lo = 0, all_hi = width * page_size;
+    for (int64_t l = 0; l < 16; ++l) {
+      const int64_t v = v0 + std::min(l, n - 1), i = b * q_len + v / group;
+      const float* qv = qp + (i * heads + h * group + v % group) * dim;
+      for (int64_t d = 0; d < dim; ++d) qt[d * 16 + l] = qv[d] * scale;
+      tile_lo[l] = static_cast<int32_t>(lo[i]), tile_hi[l] = static_cast<int32_t>(hi[i]);
+      all_lo = std::max(all_lo, lo[i]), all_hi = std::min(all_hi, hi[i]);
+    }
+    std::fill(ot, ot + dim * 16, 0.f);
+    vf peak = vf{} - std::numeric_limits<float>::infinity(), total = vf{};
+    walk(k, b, h, piece, seen_lo[k], seen_hi[k],
+         [&](const float* kr, const float* vr, int64_t count, int64_t pos) {
+           fold_tiles(qt, kr, vr, count, pos, tile_lo, tile_hi, all_lo, all_hi, peak, total,
+                      ot);
+         });
+    for (int64_t l = 0; l < 16; ++l) {
+      part[l] = peak[l], part[folded + l] = total[l];
+      for (int64_t d = 0; d < dim; ++d) part[2 * folded + l * dim + d] = ot[d * 16 + l];
+    }
+  };
+
+  auto run_block = [&](int64_t k, int64_t b, int64_t h, int64_t piece, float* part) {
     const int64_t q0 = b * q_len + (k % blocks_per_row) * block;
     const int64_t n = std::min(block, (b + 1) * q_len - q0);  // the block's queries
-    float* peak = partial.data() + t * stride;
-    float* total = peak + folded;
-    float* acc = total + folded;
-    std::fill(peak, peak + folded, -std::numeric_limits<float>::infinity());
-    std::fill(total, total + folded + folded * dim, 0.f);
+    float *peak = part, *total = part + folded, *acc = part + 2 * folded;
     // the block's query vectors, [query][group head][dim]; a short block repeats its
     // last query (folded, never merged)
     alignas(64) float qbuf[16 * 256];
@@ -222,60 +359,62 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     // slots every query of the block sees: folded once for all of them
     int64_t c0 = 0, c1 = width * page_size;
     for (int64_t j = 0; j < n; ++j) c0 = std::max(c0, lo[q0 + j]), c1 = std::min(c1, hi[q0 + j]);
-    const int64_t p0 = first_page[k] + piece * piece_pages;
-    for (int64_t p = p0; p < p0 + piece_pages && p < width; ++p) {
-      const int64_t page = tp[b * width + p];
-      if (page < 0 || page >= num_pages) continue;  // out of the pool: nothing to read
-      const int64_t start = p * page_size, at = (page * kv_heads + h) * page_size;
-      const int64_t s0 = std::max(c0, start), s1 = std::min(c1, start + page_size);
-      if (s1 > s0)
-        fold_block(qbuf, kp + (at + s0 - start) * dim, vp + (at + s0 - start) * dim, s1 - s0,
-                   scale, peak, total, acc);
-      for (int64_t j = 0; j < n; ++j) {  // each query's slots outside the shared ones
-        const int64_t r0 = std::max(lo[q0 + j], start);
-        const int64_t r1 = std::min(hi[q0 + j], start + page_size);
-        const int64_t g = j * group;
-        auto fold = [&](int64_t from, int64_t to) {
-          if (to > from)
-            fold_row(qbuf + g * dim, kp + (at + from - start) * dim,
-                     vp + (at + from - start) * dim, to - from, scale, peak + g, total + g,
-                     acc + g * dim);
-        };
-        if (s1 > s0) {
-          fold(r0, s0);
-          fold(s1, r1);
-        } else {
-          fold(r0, r1);
-        }
+    if (c1 > c0)
+      walk(k, b, h, piece, c0, c1, [&](const float* kr, const float* vr, int64_t count, int64_t) {
+        fold_block(qbuf, kr, vr, count, scale, peak, total, acc);
+      });
+    for (int64_t j = 0; j < n; ++j) {  // each query's slots outside the shared ones
+      const int64_t g = j * group;
+      auto fold = [&](int64_t from, int64_t to) {
+        walk(k, b, h, piece, from, to, [&](const float* kr, const float* vr, int64_t count,
+                                           int64_t) {
+          fold_row(qbuf + g * dim, kr, vr, count, scale, peak + g, total + g, acc + g * dim);
+        });
+      };
+      if (c1 > c0) {
+        fold(lo[q0 + j], std::min(c0, hi[q0 + j]));
+        fold(std::max(c1, lo[q0 + j]), hi[q0 + j]);
+      } else {
+        fold(lo[q0 + j], hi[q0 + j]);
       }
     }
   };
 
-  xlr::run_tasks(pool, tasks, run);
+  xlr::run_tasks(pool, tasks, [&](int64_t t) {
+    const int64_t k = std::upper_bound(block_task.begin(), block_task.end(), t) -
+                      block_task.begin() - 1;
+    const int64_t h = (t - block_task[k]) / pieces[k], piece = (t - block_task[k]) % pieces[k];
+    float* part = partial.data() + t * stride;
+    std::fill(part, part + folded, -std::numeric_limits<float>::infinity());
+    std::fill(part + folded, part + stride, 0.f);
+    if (tiled)
+      run_tile(k, k / blocks_per_row, h, piece, part);
+    else
+      run_block(k, k / blocks_per_row, h, piece, part);
+  });
 
-  // each query head: its block's pieces' softmaxes merged
+  // each query vector: its block's pieces' softmaxes merged
   float* op = out->typed_data();
   for (int64_t i = 0; i < queries; ++i) {
-    const int64_t b = i / q_len, k = b * blocks_per_row + (i % q_len) / block;
-    const int64_t j = (i % q_len) % block;
-    for (int64_t h = 0; h < kv_heads; ++h) {
+    const int64_t b = i / q_len;
+    for (int64_t hq = 0; hq < heads; ++hq) {
+      const int64_t h = hq / group, v = (i % q_len) * group + hq % group;
+      const int64_t k = b * blocks_per_row + v / folded, j = v % folded;
       const float* part = partial.data() + (block_task[k] + h * pieces[k]) * stride;
-      for (int64_t g = j * group; g < (j + 1) * group; ++g) {
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t x = 0; x < pieces[k]; ++x) m = std::max(m, part[x * stride + g]);
-        float* o = op + (i * heads + h * group + g - j * group) * dim;
-        std::fill(o, o + dim, 0.f);
-        if (std::isinf(m)) continue;  // sees nothing: zeros
-        float sum = 0.f;
-        for (int64_t x = 0; x < pieces[k]; ++x) {
-          const float* pk = part + x * stride;
-          const float w = std::exp(pk[g] - m);
-          sum += pk[folded + g] * w;
-          const float* a = pk + 2 * folded + g * dim;
-          for (int64_t d = 0; d < dim; ++d) o[d] += w * a[d];
-        }
-        for (int64_t d = 0; d < dim; ++d) o[d] /= sum;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t x = 0; x < pieces[k]; ++x) m = std::max(m, part[x * stride + j]);
+      float* o = op + (i * heads + hq) * dim;
+      std::fill(o, o + dim, 0.f);
+      if (std::isinf(m)) continue;  // sees nothing: zeros
+      float sum = 0.f;
+      for (int64_t x = 0; x < pieces[k]; ++x) {
+        const float* pk = part + x * stride;
+        const float w = std::exp(pk[j] - m);
+        sum += pk[folded + j] * w;
+        const float* a = pk + 2 * folded + j * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] += w * a[d];
       }
+      for (int64_t d = 0; d < dim; ++d) o[d] /= sum;
     }
   }
   return ffi::Error::Success();

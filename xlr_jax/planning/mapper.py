@@ -240,8 +240,7 @@ def _cpu_impl(config: ModelConfig, kv_dtype: str, page_size: int) -> tuple[str, 
                f"{page_size}-slot {kv_dtype} pages")
     if why is None:
         return "cpu", ("CPU: the paged-attention kernel (an XLA custom call) for decode rows, "
-                       f"verify rows and chunks of up to {cpu_attention.MAX_QUERIES} tokens, "
-                       "the XLA walk for longer chunks (experiments/decode_attention_floor.py, "
+                       "verify rows and prefill chunks (experiments/decode_attention_floor.py, "
                        "chunk_attention.py)")
     return "xla", f"CPU: the XLA walk (the attention kernel is off: {why})"
 
