@@ -261,6 +261,79 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(server):
     _assert_openai_error(refused[0], 503)
 
 
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
+        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}}
+
+
+def test_response_format_holds_the_output_to_json(server):
+    """json_schema and json_object through the openai client, whole and streamed: the
+    content parses (and validates); the masks show in /metrics."""
+    import jsonschema
+
+    client = server.openai()
+    masks = server.metric("xlr_constraint_masks_total")
+    user = [{"role": "user", "content": "Tell me about Paris."}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    for temperature in (0, 1):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=user, max_tokens=40, temperature=temperature, seed=5,
+            response_format=schema_format)
+        jsonschema.validate(json.loads(reply.choices[0].message.content), CITY)
+    chunks = client.chat.completions.create(model=MODEL, messages=user, max_tokens=40,
+                                            response_format={"type": "json_object"},
+                                            stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert isinstance(json.loads(text), dict)
+    assert server.metric("xlr_constraint_masks_total") > masks
+    assert server.metric("xlr_constraint_mask_seconds_total") > 0
+
+
+def test_tool_choice_required_or_named_gives_a_call(server):
+    client = server.openai()
+    user = [{"role": "user", "content": "Say hello."}]
+    tools = TOOLS + [{"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "required": ["a", "b"],
+                                      "properties": {"a": {"type": "number"},
+                                                     "b": {"type": "number"}}}}}]
+    reply = client.chat.completions.create(model=MODEL, messages=user, tools=tools,
+                                           tool_choice="required", max_tokens=60)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0].function
+    assert call.name in ("get_weather", "add") and isinstance(json.loads(call.arguments), dict)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chunks = list(client.chat.completions.create(model=MODEL, messages=user, tools=tools,
+                                                 tool_choice=named, max_tokens=60,
+                                                 stream=True))
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert calls and calls[0].function.name == "get_weather"
+    assert json.loads("".join(tc.function.arguments or "" for tc in calls))["city"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_constrained_requests_with_bad_fields_are_refused(server):
+    user = [{"role": "user", "content": "Hi"}]
+    url = "/v1/chat/completions"
+    post = server.http.post
+    error = _assert_openai_error(post(url, json={"messages": user,
+                                                 "tool_choice": "required"}), 400)
+    assert error["param"] == "tool_choice" and "needs tools" in error["message"]
+    error = _assert_openai_error(post(url, json={
+        "messages": user, "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "nope"}}}), 400)
+    assert "'nope'" in error["message"]
+    error = _assert_openai_error(post(url, json={
+        "messages": user, "response_format": {"type": "json_schema"}}), 400)
+    assert error["param"] == "response_format"
+    _assert_openai_error(post(url, json={"messages": user,
+                                         "response_format": {"type": "yaml"}}), 400)
+    error = _assert_openai_error(post(url, json={
+        "messages": user, "response_format": {"type": "json_object"},
+        "speculative": {"method": "exact", "draft": "ngram"}}), 400)
+    assert "does not speculate" in error["message"]
+    assert server.http.get("/health").json()["status"] == "ok"
+
+
 def test_bad_input_is_answered_in_openai_shape(server):
     user = [{"role": "user", "content": "Hi"}]
     post = server.http.post
@@ -597,7 +670,8 @@ def test_operator_defaults_fill_what_requests_leave_out(model):
                                                      **fields})
 
         async def run():
-            return await server.submit(ids, tiers, body, body.max_tokens, None).aresult()
+            budget = server.budget(ids, body.max_tokens)
+            return await server.submit(ids, tiers, body, budget, None).aresult()
 
         return asyncio.run(run())
 

@@ -218,7 +218,7 @@ class Tokenizer:
         """Write what `load` rebuilds this exact tokenizer from (e.g. one built from a GGUF,
         whose metadata takes seconds to parse)."""
         directory = Path(directory)
-        (directory / "tokenizer.json").write_text(self._backend.to_str(), encoding="utf-8")
+        (directory / "tokenizer.json").write_text(self.backend_json(), encoding="utf-8")
         facts = {"bos_token_id": self.bos_token_id, "bos_token": self.bos_token,
                  "eos_token": self.eos_token, "eos_token_ids": sorted(self.eos_token_ids),
                  "add_bos_token": self.add_bos_token, "chat_template": self.chat_template,
@@ -231,6 +231,10 @@ class Tokenizer:
         directory = Path(directory)
         facts = json.loads((directory / "tokenizer_facts.json").read_text(encoding="utf-8"))
         return cls(_Backend.from_file(str(directory / "tokenizer.json")), **facts)
+
+    def backend_json(self) -> str:
+        """The `tokenizers` pipeline as tokenizer.json text (what grammar libraries read)."""
+        return self._backend.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The post-processor is bypassed so that BOS follows `add_bos_token` alone, whatever the source.

@@ -16,6 +16,7 @@ import json
 import secrets
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -24,12 +25,15 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import xlr_jax
 from xlr_jax.errors import (InvalidRequestError, PromptTooLongError, QueueFullError,
                             TokenizerError, XlrError)
 from xlr_jax.server import messages as chat_messages
+from xlr_jax.server.constraints import (Constraint, Grammars, response_format_constraint,
+                                        tool_choice_constraint)
 from xlr_jax.server.metrics import CONTENT_TYPE, ServerMetrics
 from xlr_jax.server.protocol import (SSE_DONE, APIError, ChatCompletionRequest,
                                      CompletionRequest, ModelCard, ModelList,
@@ -135,6 +139,7 @@ class _Call:
     arrival: float = field(default_factory=time.perf_counter)
     arrival_unix: float = field(default_factory=time.time)
     tokenize_s: float = 0.0
+    constraint: Constraint | None = None  # the grammar its output is held to
 
 
 class Server:
@@ -150,6 +155,8 @@ class Server:
         self.max_stall = 0.0
         self._pending: set = set()  # tasks recording cancelled requests
         self.recent = RecentHeads(model.plan.page_size)  # system parts of recent requests
+        self._grammars: Grammars | None = None  # built on the first constrained request
+        self._grammars_lock = threading.Lock()
 
     # -------------------------------------------------------------- checks
 
@@ -215,9 +222,50 @@ class Server:
         stable = shared_prefix(ids, head)
         return ids, (stable, max(tiers[1], stable))
 
-    def submit(self, ids, tiers, body, max_tokens: int | None, logprobs: int | None):
-        """Queue the request on the model (cheap: the prompt is ids already)."""
+    def budget(self, ids, max_tokens: int | None) -> int:
+        """The tokens a request may generate: what it asked for, within the context."""
         limit = min(self.max_context - len(ids), self.defaults.max_tokens or self.max_context)
+        return min(max_tokens or limit, limit)
+
+    async def constraint(self, body, budget: int) -> Constraint | None:
+        """The grammar a chat request holds its output to (tool_choice "required" or a
+        named function, else response_format json_object / json_schema), built in the
+        worker pool (llguidance's view of the tokenizer takes about 1 s, once)."""
+        choice = body.tool_choice
+        choice = choice.model_dump() if isinstance(choice, BaseModel) else choice
+        form = body.response_format
+        if choice in (None, "auto", "none") and (form is None or form.type == "text"):
+            return None
+        tools = [t.model_dump(by_alias=True) for t in body.tools or []]
+        form = form.model_dump(by_alias=True) if form is not None else None
+
+        def build():
+            grammars = self.grammars()
+            if choice not in (None, "auto", "none"):
+                try:
+                    return tool_choice_constraint(grammars, tools, choice, budget)
+                except InvalidRequestError as e:
+                    raise APIError(400, str(e), param="tool_choice") from None
+            try:
+                return response_format_constraint(grammars, form, budget)
+            except InvalidRequestError as e:
+                raise APIError(400, str(e), param="response_format") from None
+
+        return await asyncio.get_running_loop().run_in_executor(self.pool, build)
+
+    def grammars(self) -> Grammars:
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.model.tokenizer is None:
+                    raise APIError(400, "constrained output (tool_choice, response_format) "
+                                        "needs the model's tokenizer; this model has none")
+                self._grammars = Grammars(self.model.tokenizer,
+                                          self.model.engine.config.vocab_size)
+            return self._grammars
+
+    def submit(self, ids, tiers, body, budget: int, logprobs: int | None,
+               constraint: Constraint | None = None):
+        """Queue the request on the model (cheap: the prompt is ids already)."""
         temperature = self.defaults.temperature if body.temperature is None else body.temperature
         if body.seed is not None:
             seed = body.seed % 2 ** 32
@@ -228,10 +276,10 @@ class Server:
                   "volatile": ids[context:]}
         try:
             return self.model.asubmit(
-                prompt, max_tokens=min(max_tokens or limit, limit), temperature=temperature,
+                prompt, max_tokens=budget, temperature=temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
                 min_p=body.min_p or 0.0, seed=seed, stop=body.stop,
-                speculative=body.speculative, logprobs=logprobs)
+                speculative=body.speculative, logprobs=logprobs, logits_processor=constraint)
         except QueueFullError as e:
             raise APIError(503, str(e), type="server_overloaded", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -285,6 +333,9 @@ class Server:
         e2e = time.perf_counter() - call.arrival
         if result is not None:
             self.metrics.finished(result, reason, e2e, call.stream)
+        if call.constraint is not None:
+            self.metrics.constraint_masks.inc(call.constraint.masks)
+            self.metrics.constraint_mask_seconds.inc(call.constraint.mask_seconds)
         if self.log is None:
             return
         m = result.metrics if result is not None else {}
@@ -498,7 +549,9 @@ def create_app(model, *, served_model_name: str, api_key: str | None = None,
             lambda: len(tokenizer.encode(model.chat_prompt(
                 *chat_messages.prepare(body.messages, body.tools, template)))))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        handle = server.submit(ids, tiers, body, max_tokens, logprobs)
+        budget = server.budget(ids, max_tokens)
+        call.constraint = await server.constraint(body, budget)
+        handle = server.submit(ids, tiers, body, budget, logprobs, call.constraint)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -536,7 +589,7 @@ def create_app(model, *, served_model_name: str, api_key: str | None = None,
         ids, tiers = await server.encode(
             call, lambda: model.encode(prompt),
             lambda: len(prompt) if isinstance(prompt, list) else len(tokenizer.encode(prompt)))
-        handle = server.submit(ids, tiers, body, max_tokens, body.logprobs)
+        handle = server.submit(ids, tiers, body, server.budget(ids, max_tokens), body.logprobs)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_completion_stream(server, call, handle, include_usage, tokenizer))

@@ -54,6 +54,12 @@ class ServerMetrics:
         self.cached_tokens = counter("xlr_prompt_cached_tokens",
                                      "Prompt tokens served from the prefix cache.")
         self.generation_tokens = counter("xlr_generation_tokens", "Generated tokens.")
+        self.constraint_masks = counter(
+            "xlr_constraint_masks", "Token masks computed for constrained output "
+            "(tool_choice, response_format): one a generated token.")
+        self.constraint_mask_seconds = counter(
+            "xlr_constraint_mask_seconds", "Time spent computing those masks (on the "
+            "engine's loop thread, between steps).")
         self._finished = Counter("xlr_request_success", "Finished requests by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
         self._errors = Counter("xlr_request_errors", "Requests refused or failed, by status.",

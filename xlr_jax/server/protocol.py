@@ -121,15 +121,45 @@ class _Sampling(_Open):
                           '"draft": "ngram", "gamma": 4} (see Model.generate)')
 
 
+class NamedFunction(_Open):
+    name: str
+
+
+class NamedToolChoice(_Open):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Open):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema", description="the JSON schema")
+    strict: bool | None = Field(None, description="always strict: output is held to the "
+                                                  "schema")
+
+
+class ResponseFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(
+        None, description='with type "json_schema": {"name", "schema"}')
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, description="wins over max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: Literal["auto", "none"] | None = Field(
-        None, description='"auto" (default with tools) or "none" (output is never parsed '
-                          "for tool calls)")
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = Field(
+        None, description='"auto" (default with tools), "none" (output is never parsed '
+                          'for tool calls), "required" or {"type": "function", "function": '
+                          '{"name": ...}} (decoding is held to one call of any tool, or '
+                          "of the named one, its arguments valid under its parameters)")
+    response_format: ResponseFormat | None = Field(
+        None, description='{"type": "json_object"} or {"type": "json_schema", '
+                          '"json_schema": {"name", "schema"}}: decoding is held to one JSON '
+                          "object (valid under the schema); such a request does not "
+                          "speculate")
 
 
 class CompletionRequest(_Sampling):
