@@ -334,6 +334,44 @@ def test_constrained_requests_with_bad_fields_are_refused(server):
     assert server.http.get("/health").json()["status"] == "ok"
 
 
+def test_a_thought_is_reasoning_content_held_to_its_budget(model, cache_dir, tmp_path):
+    """`xlr serve --chat-template T --reasoning-budget 8` with a template that opens a
+    thought: whole and streamed, the thought is reasoning_content (8 tokens and the end
+    marker, counted in usage and /metrics), and reasoning_effort "none" closes it at
+    once."""
+    start = "<|im_start|>assistant\n"
+    template = model.tokenizer.chat_template
+    assert start in template
+    path = tmp_path / "thinking.jinja"
+    path.write_text(template.replace(f"'{start}'", f"'{start}<think>\n'"))
+    live = _start(cache_dir, tmp_path, "--chat-template", str(path), "--reasoning-budget", "8")
+    try:
+        close = len(model.tokenizer.encode("</think>", add_special_tokens=False))
+        user = [{"role": "user", "content": "Why is the sea salty?"}]
+        reply = live.http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": user, "max_tokens": 30, "temperature": 0}).json()
+        message = reply["choices"][0]["message"]
+        assert message["reasoning_content"] and "</think>" not in message["content"]
+        assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == 8 + close
+        chunks = list(live.openai().chat.completions.create(
+            model=MODEL, messages=user, max_tokens=30, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        streamed = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        assert streamed == message["reasoning_content"]
+        assert "".join(d.content or "" for d in deltas) == message["content"]
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 8 + close
+        none = live.http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": user, "max_tokens": 10, "temperature": 0,
+            "reasoning_effort": "none"}).json()
+        assert none["choices"][0]["message"]["reasoning_content"] == ""
+        assert none["usage"]["completion_tokens_details"]["reasoning_tokens"] == close
+        assert live.metric("xlr_reasoning_tokens_total") == 3 * (8 + close) - 8
+    finally:
+        live.proc.kill()
+        live.proc.wait(30)
+
+
 def test_bad_input_is_answered_in_openai_shape(server):
     user = [{"role": "user", "content": "Hi"}]
     post = server.http.post

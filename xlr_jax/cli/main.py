@@ -5,6 +5,7 @@ import argparse
 import gc
 import json
 import sys
+from pathlib import Path
 
 from xlr_jax.errors import XlrError
 from xlr_jax.ops import IMPLS
@@ -201,6 +202,7 @@ def cmd_info(args) -> int:
 
 def cmd_serve(args) -> int:
     from xlr_jax.server.app import Defaults, exposure_warning, serve  # FastAPI: here only
+    from xlr_jax.server.reasoning import Markers
 
     args.model = args.model_pos or args.model
     warning = exposure_warning(args.host, args.api_key)
@@ -214,10 +216,20 @@ def cmd_serve(args) -> int:
 
     if args.temperature < 0 or (args.max_tokens is not None and args.max_tokens < 1):
         raise XlrError("--temperature must be 0 or more and --max-tokens at least 1")
+    if args.reasoning_budget is not None and args.reasoning_budget < 0:
+        raise XlrError(f"--reasoning-budget must be 0 or more (got {args.reasoning_budget})")
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = Path(args.chat_template).read_text(encoding="utf-8")
+        except OSError as e:
+            raise XlrError(f"--chat-template: cannot read {args.chat_template}: {e}") from None
     if args.prefix_disk_quota_gb < 0:
         raise XlrError(f"--prefix-disk-quota-gb must be 0 or more (got "
                        f"{args.prefix_disk_quota_gb})")
     model = _load(args, prefix_disk_quota=int(args.prefix_disk_quota_gb * 2 ** 30), **plan)
+    if template is not None and model.tokenizer is not None:
+        model.tokenizer.chat_template = template
     name = args.served_model_name or _default_served_name(args.model)
     print(f"serving {name!r} (context {model.plan.max_context} tokens) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
@@ -226,7 +238,10 @@ def cmd_serve(args) -> int:
                  drain_timeout=args.drain_timeout,
                  max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                  cors_origins=args.cors_origin, log_level=args.log_level,
-                 defaults=Defaults(args.temperature, args.max_tokens))
+                 defaults=Defaults(args.temperature, args.max_tokens,
+                                   args.reasoning_budget,
+                                   Markers(*args.reasoning_markers,
+                                           args.reasoning_transition)))
 
 
 def _default_served_name(model: str) -> str:
@@ -278,6 +293,20 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="tokens a request may generate at most, and what one that does "
                         "not say gets (default: what the context holds after its prompt)")
+    p.add_argument("--reasoning-budget", type=int, default=None, metavar="N",
+                   help="tokens a thought may take in requests that set no "
+                        "reasoning_effort or thinking_token_budget; then its end marker is "
+                        "written and the answer starts (default: unlimited)")
+    p.add_argument("--reasoning-markers", nargs=2, default=("<think>", "</think>"),
+                   metavar=("START", "END"),
+                   help="the text that opens and closes the model's thought, returned as "
+                        "reasoning_content (default <think> </think>)")
+    p.add_argument("--reasoning-transition", default="", metavar="TEXT",
+                   help="text written after an end marker the budget forced, before the "
+                        "answer (default: none)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's (one that "
+                        "ends its generation prompt with the start marker opens a thought)")
     p.add_argument("--prefix-disk-quota-gb", type=float, default=4.0, metavar="GB",
                    help="disk kept for stable prompt tiers under --cache-dir/prefix, so a "
                         "restarted server skips their prefill; the least recently used go "

@@ -39,6 +39,8 @@ from xlr_jax.server.protocol import (SSE_DONE, APIError, ChatCompletionRequest,
                                      CompletionRequest, ModelCard, ModelList,
                                      context_error, error_body, error_response, new_id, now,
                                      openai_error_schema, sse, usage)
+from xlr_jax.server.reasoning import (Markers, ReasoningSplitter, ThoughtBudget,
+                                      opens_thought, request_budget, split_reasoning)
 from xlr_jax.server.request_log import RequestLog
 from xlr_jax.server.tiers import RecentHeads, marked_messages, shared_prefix
 from xlr_jax.server.tool_calls import ToolCallParser, parse_whole
@@ -128,6 +130,8 @@ class Defaults:
     `max_tokens` also caps what a request may ask for."""
     temperature: float = 1.0
     max_tokens: int | None = None
+    reasoning_budget: int | None = None  # a thought's tokens (None: unlimited)
+    markers: Markers = Markers()  # where a thought starts and ends
 
 
 @dataclass
@@ -140,6 +144,8 @@ class _Call:
     arrival_unix: float = field(default_factory=time.time)
     tokenize_s: float = 0.0
     constraint: Constraint | None = None  # the grammar its output is held to
+    thought: ThoughtBudget | None = None  # holds its thought to a budget
+    reasoning_tokens: int = 0
 
 
 class Server:
@@ -263,8 +269,30 @@ class Server:
                                           self.model.engine.config.vocab_size)
             return self._grammars
 
+    def thought_budget(self, call: _Call, body, ids, budget: int) -> bool:
+        """Whether the prompt opens a thought; a request with a thought budget gets its
+        ThoughtBudget (in `call.thought`, wrapping its constraint)."""
+        tokenizer, markers = self.model.tokenizer, self.defaults.markers
+        if tokenizer is None:
+            return False
+        opened = opens_thought(tokenizer, ids, markers)
+        limit = request_budget(body.reasoning_effort, body.thinking_token_budget,
+                               self.defaults.reasoning_budget)
+        if limit is not None:
+            call.thought = ThoughtBudget(tokenizer, self.model.engine.config.vocab_size,
+                                         markers, limit, opened, budget, call.constraint)
+        return opened
+
+    def reasoning_tokens(self, call: _Call, reasoning: str | None) -> int:
+        """A thought's tokens: counted as generated under a budget, else re-tokenized."""
+        if call.thought is not None:
+            return call.thought.thought_tokens
+        if not reasoning:
+            return 0
+        return len(self.model.tokenizer.encode(reasoning, add_special_tokens=False))
+
     def submit(self, ids, tiers, body, budget: int, logprobs: int | None,
-               constraint: Constraint | None = None):
+               constraint=None):
         """Queue the request on the model (cheap: the prompt is ids already)."""
         temperature = self.defaults.temperature if body.temperature is None else body.temperature
         if body.seed is not None:
@@ -333,6 +361,7 @@ class Server:
         e2e = time.perf_counter() - call.arrival
         if result is not None:
             self.metrics.finished(result, reason, e2e, call.stream)
+        self.metrics.reasoning_tokens.inc(call.reasoning_tokens)
         if call.constraint is not None:
             self.metrics.constraint_masks.inc(call.constraint.masks)
             self.metrics.constraint_mask_seconds.inc(call.constraint.mask_seconds)
@@ -551,24 +580,30 @@ def create_app(model, *, served_model_name: str, api_key: str | None = None,
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         budget = server.budget(ids, max_tokens)
         call.constraint = await server.constraint(body, budget)
-        handle = server.submit(ids, tiers, body, budget, logprobs, call.constraint)
+        opened = server.thought_budget(call, body, ids, budget)
+        handle = server.submit(ids, tiers, body, budget, logprobs,
+                               call.thought or call.constraint)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _sse(_chat_stream(server, call, handle, parse_tools, include_usage,
-                                     tokenizer))
+                                     tokenizer, opened))
         result = await server.wait(call, handle, request)
-        content, calls = parse_whole(result.text) if parse_tools else (result.text, [])
+        reasoning, answer = split_reasoning(result.text, server.defaults.markers, opened)
+        content, calls = parse_whole(answer) if parse_tools else (answer, [])
         reason = _finish_reason(result, calls)
+        call.reasoning_tokens = server.reasoning_tokens(call, reasoning)
         server.finished(call, handle, result, reason, len(calls))
         message = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
         return {"id": call.id, "object": "chat.completion", "created": now(),
                 "model": server.name, "system_fingerprint": None,
                 "choices": [{"index": 0, "message": message, "finish_reason": reason,
                              "logprobs": _chat_logprobs(tokenizer, result.logprobs)}],
-                "usage": usage(result.metrics)}
+                "usage": usage(result.metrics, call.reasoning_tokens)}
 
     @app.post("/v1/completions", responses=errors)
     async def completions(body: CompletionRequest, request: Request):
@@ -650,6 +685,7 @@ class _Outcome:
     result = None
     reason = "abort"
     calls = 0
+    reasoning_tokens: int | None = None  # a chat answer's thought tokens
 
 
 async def _guarded(server: Server, call: _Call, handle, body, outcome: _Outcome, base: dict,
@@ -662,7 +698,8 @@ async def _guarded(server: Server, call: _Call, handle, body, outcome: _Outcome,
         async for text in body:
             yield text
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(outcome.result.metrics)})
+            yield sse({**base, "choices": [], "usage": usage(outcome.result.metrics,
+                                                             outcome.reasoning_tokens)})
     except _Aborted as e:
         error = str(e)
         yield sse(error_body(f"the request was aborted: {e}", type="server_error",
@@ -680,7 +717,7 @@ async def _guarded(server: Server, call: _Call, handle, body, outcome: _Outcome,
 
 
 def _chat_stream(server: Server, call: _Call, handle, parse_tools: bool,
-                 include_usage: bool, tokenizer):
+                 include_usage: bool, tokenizer, opened: bool):
     """OpenAI's chunk order: the role, content / tool-call deltas, the finish_reason,
     then usage and [DONE] (`_guarded`)."""
     base = {"id": call.id, "object": "chat.completion.chunk", "created": now(),
@@ -705,17 +742,33 @@ def _chat_stream(server: Server, call: _Call, handle, parse_tools: bool,
         return out
 
     parser = ToolCallParser() if parse_tools else None
+    splitter = ReasoningSplitter(server.defaults.markers, opened)
     outcome = _Outcome()
+    thought: list[str] = []
+
+    def split(events) -> list[str]:
+        """A thought streams as reasoning_content deltas; the answer as content or,
+        parsed, tool-call deltas."""
+        out = []
+        for kind, text in events:
+            if kind == "reasoning":
+                thought.append(text)
+                out.append(chunk({"reasoning_content": text}))
+            else:
+                out += deltas(parser.feed(text)) if parser else [chunk({"content": text})]
+        return out
 
     async def body():
         yield chunk({"role": "assistant", "content": ""})
         async for piece in server.pieces(handle):
-            for text in (deltas(parser.feed(piece)) if parser else
-                         [chunk({"content": piece})]):
+            for text in split(splitter.feed(piece)):
                 yield text
         result = _ended(handle, outcome)
-        for text in deltas(parser.finish()) if parser else []:
+        for text in split(splitter.finish()) + (deltas(parser.finish()) if parser else []):
             yield text
+        call.reasoning_tokens = server.reasoning_tokens(
+            call, "".join(thought) if splitter.thought_seen else None)
+        outcome.reasoning_tokens = call.reasoning_tokens
         outcome.calls = len(parser.calls) if parser else 0
         outcome.reason = _finish_reason(result, parser.calls if parser else [])
         outcome.result = result

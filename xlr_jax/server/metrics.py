@@ -54,6 +54,9 @@ class ServerMetrics:
         self.cached_tokens = counter("xlr_prompt_cached_tokens",
                                      "Prompt tokens served from the prefix cache.")
         self.generation_tokens = counter("xlr_generation_tokens", "Generated tokens.")
+        self.reasoning_tokens = counter(
+            "xlr_reasoning_tokens", "Generated tokens inside a thought (its markers "
+            "included), counted as chat answers end.")
         self.constraint_masks = counter(
             "xlr_constraint_masks", "Token masks computed for constrained output "
             "(tool_choice, response_format): one a generated token.")

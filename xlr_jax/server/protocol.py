@@ -155,6 +155,14 @@ class ChatCompletionRequest(_Sampling):
                           'for tool calls), "required" or {"type": "function", "function": '
                           '{"name": ...}} (decoding is held to one call of any tool, or '
                           "of the named one, its arguments valid under its parameters)")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="the thought's token budget: none 0 (the thought closes at "
+                          "once), minimal 64, low 256, medium 1024, high 4096 (default: "
+                          "the server's --reasoning-budget, else unlimited)")
+    thinking_token_budget: int | None = Field(
+        None, ge=0, description="extra: the thought's token budget (wins over "
+                                "reasoning_effort); when it is spent the end marker is "
+                                "written and the answer starts")
     response_format: ResponseFormat | None = Field(
         None, description='{"type": "json_object"} or {"type": "json_schema", '
                           '"json_schema": {"name", "schema"}}: decoding is held to one JSON '
@@ -179,11 +187,15 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(metrics: dict) -> dict:
+def usage(metrics: dict, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage; a chat answer's also counts its thought's tokens."""
     prompt, completion = metrics.get("prompt_tokens", 0), metrics.get("completion_tokens", 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": metrics.get("cached_tokens", 0)}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion,
+           "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": metrics.get("cached_tokens", 0)}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def sse(payload: dict | str) -> str:
