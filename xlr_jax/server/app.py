@@ -270,15 +270,18 @@ class Server:
             return self._grammars
 
     def thought_budget(self, call: _Call, body, ids, budget: int) -> bool:
-        """Whether the prompt opens a thought; a request with a thought budget gets its
-        ThoughtBudget (in `call.thought`, wrapping its constraint)."""
+        """Whether the prompt opens a thought. A request with a thought budget gets its
+        ThoughtBudget (in `call.thought`, wrapping its constraint) where a thought can
+        happen: the prompt opens one, or the chat template knows the start marker (a
+        model that may open one itself). Elsewhere a budget is moot, and a processor
+        would cost the request the engine's run-ahead dispatch."""
         tokenizer, markers = self.model.tokenizer, self.defaults.markers
         if tokenizer is None:
             return False
         opened = opens_thought(tokenizer, ids, markers)
         limit = request_budget(body.reasoning_effort, body.thinking_token_budget,
                                self.defaults.reasoning_budget)
-        if limit is not None:
+        if limit is not None and (opened or markers.start in (tokenizer.chat_template or "")):
             call.thought = ThoughtBudget(tokenizer, self.model.engine.config.vocab_size,
                                          markers, limit, opened, budget, call.constraint)
         return opened
