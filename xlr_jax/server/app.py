@@ -37,8 +37,9 @@ from xlr_jax.server.constraints import (Constraint, Grammars, response_format_co
 from xlr_jax.server.metrics import CONTENT_TYPE, ServerMetrics
 from xlr_jax.server.protocol import (SSE_DONE, APIError, ChatCompletionRequest,
                                      CompletionRequest, ModelCard, ModelList,
-                                     context_error, error_body, error_response, new_id, now,
-                                     openai_error_schema, sse, usage)
+                                     context_error, error_body, error_response,
+                                     generation_responses, new_id, now, openai_error_schema,
+                                     sse, usage)
 from xlr_jax.server.reasoning import (Markers, ReasoningSplitter, ThoughtBudget,
                                       opens_thought, request_budget, split_reasoning)
 from xlr_jax.server.request_log import RequestLog
@@ -519,8 +520,9 @@ def create_app(model, *, served_model_name: str, api_key: str | None = None,
         kind = {401: "authentication_error", 404: "not_found_error"}.get(
             error.status_code, "invalid_request_error" if error.status_code < 500
             else "server_error")
+        # the exception's headers too: a 405 must say which methods are allowed (Allow)
         return await on_api_error(request, APIError(error.status_code, str(error.detail),
-                                                    type=kind))
+                                                    type=kind, headers=error.headers))
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, error: Exception):
@@ -568,7 +570,7 @@ def create_app(model, *, served_model_name: str, api_key: str | None = None,
 
     # -------------------------------------------------------------- completions
 
-    @app.post("/v1/chat/completions", responses=errors)
+    @app.post("/v1/chat/completions", responses=generation_responses())
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         call = _Call("chat.completions", body.stream, new_id("chatcmpl"))
         server.check_model(body.model)
@@ -608,7 +610,7 @@ def create_app(model, *, served_model_name: str, api_key: str | None = None,
                              "logprobs": _chat_logprobs(tokenizer, result.logprobs)}],
                 "usage": usage(result.metrics, call.reasoning_tokens)}
 
-    @app.post("/v1/completions", responses=errors)
+    @app.post("/v1/completions", responses=generation_responses())
     async def completions(body: CompletionRequest, request: Request):
         call = _Call("completions", body.stream, new_id("cmpl"))
         server.check_model(body.model)

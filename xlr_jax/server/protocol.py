@@ -107,7 +107,8 @@ class _Sampling(_Open):
     max_tokens: int | None = Field(
         None, description="clamped to the context left after the prompt (default: all "
                           "of it); must be >= 1")
-    temperature: float | None = Field(None, ge=0, description="default 1.0; 0 is greedy")
+    temperature: float | None = Field(None, ge=0, le=100,
+                                      description="default 1.0; 0 is greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, description="default: random when sampling")
     stop: str | list[str] | None = None
@@ -229,3 +230,12 @@ def openai_error_schema() -> dict[int | str, dict[str, Any]]:
             404: {"description": "unknown model", **shape},
             413: {"description": "request body too large", **shape},
             503: {"description": "the waiting queue is full (Retry-After)", **shape}}
+
+
+def generation_responses() -> dict[int | str, dict[str, Any]]:
+    """A generating route's answers for /openapi.json: JSON, or with `stream` an SSE
+    stream of chunks, and the errors."""
+    return {200: {"description": "the answer (JSON), or with stream: true an SSE stream "
+                                 "of chunks ending in `data: [DONE]`",
+                  "content": {"application/json": {}, "text/event-stream": {}}},
+            **openai_error_schema()}
