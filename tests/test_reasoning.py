@@ -42,6 +42,9 @@ def test_the_budget_closes_the_thought_at_its_count(model, budget):
     assert out.token_ids[budget:budget + len(close)] == close, out.text
     assert thought.thought_tokens == budget + len(close)
     assert thought.answer_from == budget + len(close)
+    counter = budget_for(model, ids, None, 60)  # the server's count of a finished answer
+    counter.feed(out.token_ids)
+    assert counter.thought_tokens == thought.thought_tokens
 
 
 def test_a_transition_text_follows_a_forced_end(model):
@@ -70,6 +73,23 @@ def test_the_answer_after_a_thought_is_held_to_its_schema(model):
         model, ids, 5, 40, inner=grammars.json_schema(schema, 40)))
     reasoning, answer = split_reasoning(out.text, MARKERS, opened=True)
     assert reasoning and isinstance(json.loads(answer)["ok"], bool)
+
+
+def test_a_constraint_holds_the_answer_not_the_thought(model):
+    """No budget, a JSON constraint: the thought's tokens are the unconstrained ones; only
+    the answer after the end marker is held (the server wraps a constraint so wherever a
+    thought can happen)."""
+    schema = {"type": "object"}
+    ids = thinking_prompt(model, "Name a colour.")
+    grammars = Grammars(model.tokenizer, model.engine.config.vocab_size)
+    free = model.generate(ids, max_tokens=48)
+    thought = budget_for(model, ids, None, 48, inner=grammars.json_schema(schema, 48))
+    held = model.generate(ids, max_tokens=48, logits_processor=thought)
+    end = thought.answer_from if thought.answer_from is not None else len(held.token_ids)
+    assert end > 1 and held.token_ids[:end] == free.token_ids[:end]
+    if thought.answer_from is not None:
+        _, answer = split_reasoning(held.text, MARKERS, opened=True)
+        assert isinstance(json.loads(answer), dict)
 
 
 def test_a_prompt_without_the_marker_does_not_open_a_thought(model):

@@ -257,7 +257,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t width = tables.dimensions()[1];
   const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
   const int64_t per_row = q_len * group;  // a row's query vectors per KV head
-  const bool tiled = q_len > 1 && per_row >= kTileVectors;
+  const bool tiled = per_row >= kTileVectors;  // never decode: a group is at most 8
   const int64_t block = block_queries(std::max<int64_t>(group, 1), q_len);
   const FoldFn fold_row = group * kv_heads == heads ? fold_for(group, dim) : nullptr;
   const FoldFn fold_block = fold_row ? fold_for(block * group, dim) : nullptr;
@@ -306,12 +306,14 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t stride = folded * (dim + 2);  // a task's peak, total, acc[folded][dim]
   std::vector<float> partial(tasks * stride);
 
-  // a block's pages from page p0 on (its piece), each (page, its first position) to
-  // fold(page's K and V at its slot `from`, count, the first's position)
+  // positions [from, to) on the pages of a block's piece, page by page, to fold(K and
+  // V at the first position's slot, count, the first position); only the pages the
+  // range touches are visited (a decode row's per-query ranges are mostly empty)
   auto walk = [&](int64_t k, int64_t b, int64_t h, int64_t piece, int64_t from, int64_t to,
                   auto&& fold) {
     const int64_t p0 = seen_lo[k] / page_size + piece * piece_pages;
-    for (int64_t p = p0; p < p0 + piece_pages && p < width; ++p) {
+    const int64_t p1 = std::min({p0 + piece_pages, width, (to + page_size - 1) / page_size});
+    for (int64_t p = std::max(p0, from / page_size); p < p1; ++p) {
       const int64_t page = tp[b * width + p];
       if (page < 0 || page >= num_pages) continue;  // out of the pool: nothing to read
       const int64_t start = p * page_size, at = (page * kv_heads + h) * page_size;

@@ -248,13 +248,12 @@ class Server:
 
         def build():
             grammars = self.grammars()
-            if choice not in (None, "auto", "none"):
-                try:
-                    return tool_choice_constraint(grammars, tools, choice, budget)
-                except InvalidRequestError as e:
-                    raise APIError(400, str(e), param="tool_choice") from None
             try:
-                return response_format_constraint(grammars, form, budget)
+                constraint = tool_choice_constraint(grammars, tools, choice, budget)
+            except InvalidRequestError as e:
+                raise APIError(400, str(e), param="tool_choice") from None
+            try:  # a call wins over a response format
+                return constraint or response_format_constraint(grammars, form, budget)
             except InvalidRequestError as e:
                 raise APIError(400, str(e), param="response_format") from None
 
@@ -271,29 +270,42 @@ class Server:
             return self._grammars
 
     def thought_budget(self, call: _Call, body, ids, budget: int) -> bool:
-        """Whether the prompt opens a thought. A request with a thought budget gets its
-        ThoughtBudget (in `call.thought`, wrapping its constraint) where a thought can
-        happen: the prompt opens one, or the chat template knows the start marker (a
-        model that may open one itself). Elsewhere a budget is moot, and a processor
-        would cost the request the engine's run-ahead dispatch."""
+        """Whether the prompt opens a thought. Where a thought can happen (the prompt
+        opens one, or the chat template knows the start marker: a model that may open
+        one itself), a request with a thought budget or a constraint gets a ThoughtBudget
+        (`call.thought`): it holds the thought to the budget and hands the constraint the
+        answer alone. Elsewhere it is not needed, and a processor would cost the request
+        the engine's run-ahead dispatch."""
         tokenizer, markers = self.model.tokenizer, self.defaults.markers
         if tokenizer is None:
             return False
         opened = opens_thought(tokenizer, ids, markers)
         limit = request_budget(body.reasoning_effort, body.thinking_token_budget,
                                self.defaults.reasoning_budget)
-        if limit is not None and (opened or markers.start in (tokenizer.chat_template or "")):
-            call.thought = ThoughtBudget(tokenizer, self.model.engine.config.vocab_size,
-                                         markers, limit, opened, budget, call.constraint)
+        if self.may_think(opened) and (limit is not None or call.constraint is not None):
+            call.thought = self.thought_counter(opened, budget, limit, call.constraint)
         return opened
 
-    def reasoning_tokens(self, call: _Call, reasoning: str | None) -> int:
-        """A thought's tokens: counted as generated under a budget, else re-tokenized."""
-        if call.thought is not None:
-            return call.thought.thought_tokens
-        if not reasoning:
-            return 0
-        return len(self.model.tokenizer.encode(reasoning, add_special_tokens=False))
+    def may_think(self, opened: bool) -> bool:
+        template = self.model.tokenizer.chat_template or ""
+        return opened or self.defaults.markers.start in template
+
+    def thought_counter(self, opened: bool, budget: int, limit: int | None = None,
+                        inner=None) -> ThoughtBudget:
+        return ThoughtBudget(self.model.tokenizer, self.model.engine.config.vocab_size,
+                             self.defaults.markers, limit, opened, budget, inner)
+
+    async def reasoning_tokens(self, call: _Call, result, opened: bool) -> int:
+        """A finished answer's thought tokens (its end marker included): as its
+        ThoughtBudget counted them, else counted the same way over its ids, off the loop."""
+        if call.thought is None:
+            if self.model.tokenizer is None or not self.may_think(opened):
+                return 0
+            counter = self.thought_counter(opened, len(result.token_ids))
+            await asyncio.get_running_loop().run_in_executor(
+                self.pool, counter.feed, list(result.token_ids))
+            return counter.thought_tokens
+        return call.thought.thought_tokens
 
     def submit(self, ids, tiers, body, budget: int, logprobs: int | None,
                constraint=None):
@@ -597,7 +609,7 @@ def create_app(model, *, served_model_name: str, api_key: str | None = None,
         reasoning, answer = split_reasoning(result.text, server.defaults.markers, opened)
         content, calls = parse_whole(answer) if parse_tools else (answer, [])
         reason = _finish_reason(result, calls)
-        call.reasoning_tokens = server.reasoning_tokens(call, reasoning)
+        call.reasoning_tokens = await server.reasoning_tokens(call, result, opened)
         server.finished(call, handle, result, reason, len(calls))
         message = {"role": "assistant", "content": content}
         if reasoning is not None:
@@ -749,7 +761,6 @@ def _chat_stream(server: Server, call: _Call, handle, parse_tools: bool,
     parser = ToolCallParser() if parse_tools else None
     splitter = ReasoningSplitter(server.defaults.markers, opened)
     outcome = _Outcome()
-    thought: list[str] = []
 
     def split(events) -> list[str]:
         """A thought streams as reasoning_content deltas; the answer as content or,
@@ -757,7 +768,6 @@ def _chat_stream(server: Server, call: _Call, handle, parse_tools: bool,
         out = []
         for kind, text in events:
             if kind == "reasoning":
-                thought.append(text)
                 out.append(chunk({"reasoning_content": text}))
             else:
                 out += deltas(parser.feed(text)) if parser else [chunk({"content": text})]
@@ -771,8 +781,7 @@ def _chat_stream(server: Server, call: _Call, handle, parse_tools: bool,
         result = _ended(handle, outcome)
         for text in split(splitter.finish()) + (deltas(parser.finish()) if parser else []):
             yield text
-        call.reasoning_tokens = server.reasoning_tokens(
-            call, "".join(thought) if splitter.thought_seen else None)
+        call.reasoning_tokens = await server.reasoning_tokens(call, result, opened)
         outcome.reasoning_tokens = call.reasoning_tokens
         outcome.calls = len(parser.calls) if parser else 0
         outcome.reason = _finish_reason(result, parser.calls if parser else [])

@@ -21,7 +21,6 @@ every time rather than run into its token limit mid-object:
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import llguidance
@@ -29,6 +28,7 @@ import llguidance.numpy as llnp
 import numpy as np
 
 from xlr_jax.errors import InvalidRequestError
+from xlr_jax.server.tiers import shared_prefix
 from xlr_jax.server.tool_calls import CLOSE, OPEN
 
 # What a closing constraint prefers after EOS, in order (the text of single tokens). A
@@ -72,8 +72,8 @@ class Grammars:
                                  "arguments": t.get("parameters") or {"type": "object"}}}
                  for t in tools]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        lark = (f"start: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\n"
-                f"call: %json {json.dumps(schema)}\n")
+        opening, closing = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
+        lark = f"start: {opening} call {closing}\ncall: %json {json.dumps(schema)}\n"
         return self._constraint(llguidance.LLMatcher.grammar_from_lark(lark), max_tokens)
 
     def _constraint(self, grammar: str, max_tokens: int) -> "Constraint":
@@ -93,14 +93,12 @@ class Constraint:
         self.max_tokens = max_tokens
         self._fed: list[int] = []
         self._bits = llnp.allocate_token_bitmask(1, grammars.vocab_size)
-        self._lock = threading.Lock()  # the engine's loop calls it; a caller may too
         self.mask_seconds = 0.0  # time spent computing masks (the per-token cost)
         self.masks = 0
 
     def __call__(self, generated: list[int]) -> np.ndarray:
-        with self._lock:
-            self._feed(generated)
-            allowed = self.allowed()
+        self._feed(generated)
+        allowed = self.allowed()
         bias = np.full(self._grammars.vocab_size, -np.inf, np.float32)
         if self._closing(generated):
             first = next((t for t in self._preferred() if allowed[t]), None)
@@ -122,11 +120,9 @@ class Constraint:
     def _feed(self, generated: list[int]) -> None:
         """Bring the matcher to `generated` (rolling back what differs: the engine may
         ask again for ids it asked about before)."""
-        same = 0
-        for a, b in zip(self._fed, generated):
-            if a != b:
-                break
-            same += 1
+        same = len(self._fed)
+        if generated[:same] != self._fed:  # the usual case, ids extended, costs one compare
+            same = shared_prefix(self._fed, generated)
         if same < len(self._fed):
             self._matcher.rollback(len(self._fed) - same)
             del self._fed[same:]

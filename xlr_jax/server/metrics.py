@@ -55,7 +55,7 @@ class ServerMetrics:
                                      "Prompt tokens served from the prefix cache.")
         self.generation_tokens = counter("xlr_generation_tokens", "Generated tokens.")
         self.reasoning_tokens = counter(
-            "xlr_reasoning_tokens", "Generated tokens inside a thought (its markers "
+            "xlr_reasoning_tokens", "Generated tokens of a thought (its end marker "
             "included), counted as chat answers end.")
         self.constraint_masks = counter(
             "xlr_constraint_masks", "Token masks computed for constrained output "

@@ -107,10 +107,11 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 class ThoughtBudget:
-    """A logits_processor holding a thought to `budget` tokens; `inner` (a constraint)
-    then takes over for the answer's ids."""
+    """A logits_processor holding a thought to `budget` tokens (None: unlimited); `inner`
+    (a constraint) then takes over for the answer's ids. `feed` alone counts a finished
+    output's thought tokens."""
 
-    def __init__(self, tokenizer, vocab_size: int, markers: Markers, budget: int,
+    def __init__(self, tokenizer, vocab_size: int, markers: Markers, budget: int | None,
                  opened: bool, max_tokens: int, inner=None):
         self._tokenizer, self._vocab, self._markers = tokenizer, vocab_size, markers
         self._close = tokenizer.encode(markers.end + markers.transition,
@@ -135,18 +136,23 @@ class ThoughtBudget:
         end = self.answer_from if self.answer_from is not None else len(self._seen)
         return end - self._thought_from
 
-    def __call__(self, generated: list[int]) -> np.ndarray | None:
+    def feed(self, generated: list[int]) -> None:
+        """Bring the state to `generated` (from the start if it is not an extension of
+        the ids seen before)."""
         if generated[:len(self._seen)] != self._seen:
-            self._reset()  # asked about other ids than before: start over
+            self._reset()
         for i in range(len(self._seen), len(generated)):
             self._seen.append(generated[i])
             self._advance(i)
+
+    def __call__(self, generated: list[int]) -> np.ndarray | None:
+        self.feed(generated)
         if self._state == "answer":
             if self._inner is None:
                 return None
             self._inner.max_tokens = self._max_tokens - self.answer_from
             return self._inner(generated[self.answer_from:])
-        if self._state == "thought" and self._force_from is None \
+        if self._state == "thought" and self._force_from is None and self.budget is not None \
                 and len(generated) - self._thought_from >= self.budget:
             self._force_from = len(generated)
         if self._force_from is not None:
@@ -156,19 +162,19 @@ class ThoughtBudget:
         return None
 
     def _advance(self, i: int) -> None:
-        """Take the token at index i into the state."""
-        if self._force_from is not None and i + 1 - self._force_from == len(self._close):
-            self._state, self.answer_from = "answer", i + 1
+        """Take the token at index i into the state (the answer's tokens need nothing)."""
+        if self._state == "answer":
             return
-        tail = self._tokenizer.decode(self._seen[max(0, i + 1 - TAIL_TOKENS):])
-        if self._state == "start":
+        if self._force_from is not None:
+            if i + 1 - self._force_from == len(self._close):
+                self._state, self.answer_from = "answer", i + 1
+        elif self._state == "start":
             lead = self._tokenizer.decode(self._seen).lstrip()
             if lead.startswith(self._markers.start):
                 self._state, self._thought_from = "thought", i + 1
             elif not self._markers.start.startswith(lead):
                 self._state, self.answer_from = "answer", 0
-        elif self._state == "thought" and self._force_from is None \
-                and self._markers.end in tail:
+        elif self._markers.end in self._tokenizer.decode(self._seen[-TAIL_TOKENS:]):
             self._state, self.answer_from = "answer", i + 1
 
 
