@@ -23,7 +23,8 @@ from xlr_jax.model.sampling import SamplingParams
 from xlr_jax.planning.hardware import (KNOWN_GPUS, HardwareProfile, gpu_memory, gpu_spec,
                                        jax_preallocates, peaks, preset, simd_bits)
 from xlr_jax.ops import cpu_kernels, cpu_linear
-from xlr_jax.planning.mapper import ExecutionPlan, particle_pages, particles_for
+from xlr_jax.planning.mapper import (ExecutionPlan, first_chunk, particle_pages,
+                                     particles_for, pick_bucket)
 from xlr_jax.planning.roofline import PRESETS, estimate, weight_bytes_read
 from xlr_jax.runtime.engine import Engine
 
@@ -417,3 +418,38 @@ def test_step_budget_sizes_the_chunk_beside_decode_rows_and_keeps_the_tokens(smo
         engine.max_step_tokens = budget
         tokens[budget] = [r.token_ids for _, _, r in engine.run(prompts, params) if r is not None]
     assert tokens[10] == tokens[40] and all(len(t) == 20 for t in tokens[10])
+
+
+def _cheapest(left: int, sizes: tuple[int, ...], step_cost: int) -> int:
+    """Brute force: the least cost of any sequence of buckets through `left` tokens."""
+    best = [0] + [math.inf] * left
+    for n in range(1, left + 1):
+        best[n] = min(c + step_cost + best[max(0, n - c)] for c in sizes)
+    return best[left]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 600), st.sampled_from([0, 4, 16, 40]))
+def test_a_prompt_tail_takes_the_cheapest_buckets(left, step_cost):
+    """first_chunk's pieces cover the prompt exactly, whole chunks first, at the least
+    cost a brute force finds; at step cost 0 the tail is one padded bucket."""
+    sizes = (16, 32, 64, 128, 256)
+    pieces, n = [], left  # the buckets the steps run: a piece short of its room is padded
+    while n > 0:
+        pieces.append(pick_bucket(min(first_chunk(n, sizes, step_cost), n), sizes))
+        n -= min(pieces[-1], n)
+    whole = left // 256 if left % 256 else left // 256 - 1
+    assert pieces[:whole] == [256] * whole
+    tail = left - 256 * whole
+    if step_cost == 0:
+        assert pieces[whole:] == [pick_bucket(tail, sizes)]
+    else:
+        assert sum(c + step_cost for c in pieces[whole:]) == _cheapest(tail, sizes, step_cost)
+
+
+def test_the_cpu_plan_splits_a_prompt_tail_and_the_gpu_plan_pads_it(smollm2):
+    cpu, gpu = plan(PROFILES["cpu24"], smollm2), plan(PROFILES["gpu80"], smollm2)
+    assert cpu.step_cost_tokens == 16 and gpu.step_cost_tokens == 0
+    assert first_chunk(171, cpu.buckets.chunk, cpu.step_cost_tokens) == 128
+    assert first_chunk(171, gpu.buckets.chunk, gpu.step_cost_tokens) == gpu.buckets.chunk[-1]
+    assert ExecutionPlan.from_json(cpu.to_json()) == cpu

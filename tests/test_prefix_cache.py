@@ -127,7 +127,7 @@ def test_random_traffic_keeps_the_pool_consistent(ops):
             try:
                 seq.reserve(n)
                 seq.length = n
-                cache.publish(tokens, seq.pages)
+                cache.publish(tokens, seq.pages, partial_at=n)  # as a finished sequence
                 running.append(seq)
             except xlr_jax.OutOfPagesError:
                 seq.release()
@@ -138,6 +138,8 @@ def test_random_traffic_keeps_the_pool_consistent(ops):
             assert pool.refcounts[p] == sum(s.pages.count(p) for s in running)
         free, cached = set(pool._free), set(cache._keys_of)
         assert not free & used and not free & cached
+        assert all(key in cache._page_of and key in cache._partials[parent]
+                   for key, parent in cache._partial_parent.items())
         assert len(free) + len(cached | used) == pool.num_pages - 1
         # an idle cached page is either evictable or pinned by a registered tier
         assert all(cache._pinned(p) for p in cached - used if p not in cache._lru)
@@ -199,6 +201,58 @@ def test_concurrent_sequences_share_a_cached_prefix(models):
     assert all(r.metrics["stable_cached_tokens"] == stable for r in both)
     with pytest.raises(xlr_jax.InvalidRequestError, match="unknown prompt tier"):
         cached.generate({"stabel": "x"})
+
+
+def test_requests_starting_together_prefill_their_stable_tier_once(models):
+    """Agents starting at once on one new system prompt: the first prefills the stable tier;
+    the others wait until it is published and share it, instead of each prefilling it again
+    beside it. Outputs as with the cache off."""
+    cached, plain = models
+    system = "You schedule the lab's instrument time and answer in one line. " * 12
+    prompts = [{"stable": system, "volatile": f" {HISTORY * 2} What is {q} plus {q}?"}
+               for q in (2, 5, 9)]
+    together = cached.generate(prompts, max_tokens=8)
+    assert [r.token_ids for r in together] == \
+        [r.token_ids for r in plain.generate(prompts, max_tokens=8)]
+    stable = together[0].metrics["stable_tokens"]
+    assert stable % cached.plan.page_size and together[0].metrics["stable_cached_tokens"] == 0
+    assert all(r.metrics["stable_cached_tokens"] == stable for r in together[1:])
+
+
+def test_a_prompt_tail_goes_in_smaller_chunks_with_the_same_tokens(models):
+    """A 171-token prompt alone: 128 + 64 (two steps) at the CPU plan's step cost, one padded
+    256 at step cost 0; the same tokens either way."""
+    _, plain = models
+    ids = [int(t) for t in np.random.default_rng(3).integers(100, 20_000, 171)]
+    engine, runs = plain.engine, {}
+    assert plain.plan.step_cost_tokens > 0
+    try:
+        for cost in (plain.plan.step_cost_tokens, 0):
+            engine.step_cost_tokens = cost
+            before = plain.stats()["steps"]
+            tokens = plain.generate(ids, max_tokens=4, ignore_eos=True).token_ids
+            runs[cost] = tokens, plain.stats()["steps"] - before
+    finally:
+        engine.step_cost_tokens = plain.plan.step_cost_tokens
+    (split, split_steps), (padded, padded_steps) = runs.values()
+    assert split == padded and split_steps == padded_steps + 1
+
+
+def test_the_next_turn_starts_with_all_the_last_turn_wrote(models):
+    """A finished request's last, partial page is indexed: a prompt that extends what it
+    wrote (its prompt and every generated token but the last) finds all of it cached, not
+    only its full pages; the same tokens as with the cache off."""
+    cached, plain = models
+    page = cached.plan.page_size
+    rng = np.random.default_rng(5)
+    ids = [int(t) for t in rng.integers(100, 20_000, 2 * page + 10)]
+    first = cached.generate(ids, max_tokens=7, ignore_eos=True)
+    wrote = ids + first.token_ids[:-1]
+    assert len(wrote) % page
+    follow = wrote + [int(t) for t in rng.integers(100, 20_000, 20)]
+    second = cached.generate(follow, max_tokens=4, ignore_eos=True)
+    assert second.metrics["cached_tokens"] == len(wrote)
+    assert second.token_ids == plain.generate(follow, max_tokens=4, ignore_eos=True).token_ids
 
 
 def test_tight_pool_evicts_cache_instead_of_failing(tiny_models, cache_dir):
@@ -308,7 +362,8 @@ def test_volatile_pages_leave_the_cache_when_memory_is_tight(tiny_models, tmp_pa
     written = r.metrics["prompt_tokens"] + 7
     stable_pages = -(-r.metrics["stable_tokens"] // 16)  # its last page holds volatile too
     cached = model.prefix_cache.stats()["pages_cached"]
-    assert cached == (written // 16 if volatile_cached else stable_pages)
+    # every page it wrote, the last one partial; or the stable tier's alone
+    assert cached == (-(-written // 16) if volatile_cached else stable_pages)
 
 
 # ---------------------------------------------------------------- pages promised to runners

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from xlr_jax.server.app import chat_message_parts
 from xlr_jax.server.constraints import Grammars
 from xlr_jax.server.reasoning import (EFFORT_BUDGETS, Markers, ReasoningSplitter,
                                       ThoughtBudget, opens_thought, request_budget,
@@ -136,3 +137,14 @@ def test_split_examples():
     assert split_reasoning("still thinking", MARKERS, True) == ("still thinking", "")
     assert split_reasoning("Hi <think>x</think>", MARKERS, False) == \
         (None, "Hi <think>x</think>")
+
+
+def test_a_call_in_the_thought_is_not_a_tool_call():
+    """A whole answer: a <tool_call> block inside the thought stays reasoning text; the
+    same block after the thought is a call."""
+    block = '<tool_call>{"name": "rm", "arguments": {"path": "/"}}</tool_call>'
+    reasoning, content, calls = chat_message_parts(f"maybe {block}</think>No.", MARKERS,
+                                                   True, True)
+    assert block in reasoning and content == "No." and calls == []
+    reasoning, content, calls = chat_message_parts(f"plan</think>{block}", MARKERS, True, True)
+    assert reasoning == "plan" and [c.name for c in calls] == ["rm"]

@@ -357,6 +357,45 @@ def test_forced_tokens_join_the_output_at_a_step_boundary(model):
         h.force(forced)  # it ended
 
 
+def test_each_token_is_drawn_under_its_own_steps_mask(model):
+    """A mask that changes every step (5 random tokens allowed at step k), on requests
+    decoding beside a plain one, so steps run ahead and the masks come while they run
+    (Engine._bias_late): each processor is called once per token with the tokens before
+    it, every token is one its step allowed, and greedy tokens are the argmax of the
+    prompt's logits plus that step's mask."""
+    vocab, n = model.config.vocab_size, 12
+
+    def per_step(calls):
+        def processor(generated):
+            calls.append(list(generated))
+            bias = np.full(vocab, -np.inf, np.float32)
+            bias[allowed(len(generated))] = 0.0
+            return bias
+        return processor
+
+    def allowed(k):
+        return np.random.default_rng(100 + k).choice(vocab, 5, replace=False)
+
+    calls = {"greedy": [], "sampled": []}
+    greedy = model.submit(PROMPTS[0], max_tokens=n, ignore_eos=True,
+                          logits_processor=per_step(calls["greedy"]))
+    sampled = model.submit(PROMPTS[1], max_tokens=n, ignore_eos=True, temperature=1.0,
+                           seed=4, logits_processor=per_step(calls["sampled"]))
+    plain = model.submit(PROMPTS[2], max_tokens=3 * n, ignore_eos=True)
+    outs = {"greedy": greedy.result().token_ids, "sampled": sampled.result().token_ids}
+    plain.result()
+    for name, out in outs.items():  # a prompt's chunk steps may ask for its first mask again
+        asked = [c for i, c in enumerate(calls[name]) if not i or c != calls[name][i - 1]]
+        assert asked == [out[:k] for k in range(n)], name
+        assert all(t in allowed(k) for k, t in enumerate(out)), name
+    prompt = model.encode(PROMPTS[0])[0]
+    for k, token in enumerate(outs["greedy"]):
+        logits = model.logits(prompt + outs["greedy"][:k])[-1]
+        ids = allowed(k)
+        assert token == ids[np.argmax(logits[ids])], k
+    _idle(model)
+
+
 def test_a_logits_processor_masks_its_request_only(model):
     """A per-step bias from the request's processor: an allow-list mask keeps every token
     in the list (the processor sees the tokens so far); a batch neighbour without one is

@@ -413,6 +413,9 @@ def test_bad_input_is_answered_in_openai_shape(server):
     error = _assert_openai_error(post(url, json={"messages": "hi"}), 400)
     assert error["param"] == "messages"
     _assert_openai_error(post(url, json={"messages": user, "temperature": "hot"}), 400)
+    for field, value in (("temperature", 1e308), ("top_k", 313085343423)):  # fuzz found
+        error = _assert_openai_error(post(url, json={"messages": user, field: value}), 400)
+        assert field in error["message"] or error["param"] == field
     _assert_openai_error(post(url, json={"messages": user, "model": "gpt-9"}), 404)
     _assert_openai_error(post(url, json={"messages": []}), 400)
     for bad in (0, -5):

@@ -4,9 +4,13 @@ Keys form a hash chain: a page's key hashes its parent's key, the namespace
 (model, dtype, page size) and the page's token ids, so equal keys mean equal
 prefixes. Full pages are indexed as sequences finish their prompts; a
 stable tier's last, partial page is indexed too (a sharer copies it before
-writing: copy-on-write), so a tier that ends mid-page still hits in full.
+writing: copy-on-write), so a tier that ends mid-page still hits in full, and
+so is a finished sequence's last page, where its next turn starts.
 
-A cached page is never written. While sequences use it its refcount holds
+The tokens a key names are never written again: a partial page is written past
+them only by the sequence that wrote them (a stable tier is indexed as soon as
+its prefill reaches the tier's end), and a sharer reads none of that. While
+sequences use a page its refcount holds
 it; at refcount 0 it stays cached in LRU order until the pool needs pages.
 Pages of a registered stable tier are pinned: never evicted while the tier
 is registered. Tiers are unpinned least recently used first when they would
@@ -71,7 +75,9 @@ class PrefixCache:
         self.page_size = pool.page_size
         self._page_of: dict[bytes, int] = {}
         self._keys_of: dict[int, list[bytes]] = {}  # a page may hold a full and a partial key
-        self._partials: dict[bytes, tuple[bytes, int]] = {}  # key -> (parent key, tokens)
+        # partial pages: parent key -> {key: tokens on the page}, and key -> parent key
+        self._partials: dict[bytes, dict[bytes, int]] = {}
+        self._partial_parent: dict[bytes, bytes] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # refcount-0 pages, oldest first
         self._pinned_keys: Counter[bytes] = Counter()
         # registered stable tiers (token tuples), least recently used first
@@ -95,12 +101,14 @@ class PrefixCache:
                 break
             pages.append(self._page_of[key])
             covered, parent = covered + ps, key
-        for key, (owner, n) in self._partials.items():  # one per stable tier: a short scan
-            if owner == parent and covered + n <= limit and \
+        best = None  # the longest partial page after the full ones
+        for key, n in self._partials.get(parent, {}).items():
+            if covered + n <= limit and n > (best[1] if best else 0) and \
                     key == _key(parent, tokens[covered:covered + n]):
-                pages.append(self._page_of[key])
-                covered += n
-                break
+                best = key, n
+        if best:
+            pages.append(self._page_of[best[0]])
+            covered += best[1]
         for page in pages if take else ():
             if self.pool.refcounts[page] == 0:  # revived from the LRU
                 self._lru.pop(page, None)
@@ -115,14 +123,16 @@ class PrefixCache:
     # ---- publishing
     def publish(self, tokens, pages: list[int], partial_at: int | None = None) -> None:
         """Index the pages holding `tokens` (a sequence's written prefix): every full page,
-        and the partial page ending at `partial_at` (a tier boundary), if any."""
+        and the partial page ending at `partial_at` (a tier boundary, or where a finished
+        sequence ends), if any."""
         keys = chain_keys(self.namespace, tokens, self.page_size)
         for key, page in zip(keys, pages):
             self._index(key, page)
         if partial_at and partial_at % self.page_size:
             parent, key = partial_key(self.namespace, keys, tokens, partial_at, self.page_size)
             if self._index(key, pages[partial_at // self.page_size]):
-                self._partials[key] = (parent, partial_at % self.page_size)
+                self._partials.setdefault(parent, {})[key] = partial_at % self.page_size
+                self._partial_parent[key] = parent
 
     def _index(self, key: bytes, page: int) -> bool:
         if key in self._page_of:
@@ -134,7 +144,12 @@ class PrefixCache:
     def _unindex(self, page: int) -> None:
         for key in self._keys_of.pop(page):
             del self._page_of[key]
-            self._partials.pop(key, None)
+            parent = self._partial_parent.pop(key, None)
+            if parent is not None:
+                siblings = self._partials[parent]
+                del siblings[key]
+                if not siblings:
+                    del self._partials[parent]
 
     def _pinned(self, page: int) -> bool:
         return any(self._pinned_keys[k] for k in self._keys_of.get(page, ()))

@@ -39,6 +39,15 @@ def _step(params: Params, kv: PagedKV, batch: StepBatch, *, config: ModelConfig,
     return tokens, logits, row_logprobs(logits, tokens, batch.sampling), kv
 
 
+@jax.jit
+def _redraw(logits, tokens, bias, masked, sampling):
+    """Rows `masked` [rows] drawn again from the step's logits plus `bias` (their logits
+    processors' answer came after the step was dispatched), the others' tokens kept;
+    with every row's log-probabilities, as the step gives them."""
+    tokens = jnp.where(masked, sample_rows(logits + bias, sampling), tokens)
+    return tokens, row_logprobs(logits, tokens, sampling)
+
+
 def _all_logits(params: Params, kv: PagedKV, tokens, start, num_new, block_tables, *,
                 config: ModelConfig, attn_impl: str):
     """Prefill a chunk and return logits at every position [B, T, V] (for scoring/tests)."""
@@ -105,6 +114,13 @@ class Steps:
         (chosen [rows], top ids and values [rows, MAX_LOGPROBS]) and the new KV."""
         key = ("step", batch.decode_rows, batch.chunk)
         return self._executable(key, params, kv)(params, kv, batch)
+
+    @staticmethod
+    def redraw(logits, tokens, bias: np.ndarray, masked: np.ndarray, sampling):
+        """A dispatched step's tokens [rows] and log-probabilities with rows `masked`
+        drawn again from its logits + `bias` [rows, V] (see `_redraw`); the same draw the
+        step makes with that bias."""
+        return _redraw(logits, tokens, bias, masked, sampling)
 
     def builder(self, decode_rows: int, chunk_tokens: int) -> StepBuilder:
         """A step's builder for this many decode rows and chunk tokens, bucketed. A step

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -37,6 +38,7 @@ ATTN_BLOCK_PAGES = 16      # XLA attention's largest piece of a row's pages
 REDUCE_ROWS = 16           # XLA:CPU: products of up to this many rows as multiply-sums
 LINEAR_IMPLS = ("auto", "xla", "cpu")
 CPU_STEP_CHUNK = 64        # XLA:CPU: prompt tokens a step carries beside decode rows
+CPU_STEP_COST = 16         # XLA:CPU: a step's cost beyond its chunk's tokens, in tokens
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,9 @@ class ExecutionPlan:
     max_batch: int
     prefill_chunk: int
     max_step_tokens: int           # tokens one ragged step carries: decode rows + a chunk
+    # a step's cost beyond its bucket's tokens, in tokens: where a prompt's tail is cheaper
+    # in smaller buckets than padded into one (0: always one padded bucket)
+    step_cost_tokens: int
     max_waiting: int
     max_preemptions: int           # then a request runs to its end, never preempted
     max_pinned_share: float        # of the pool that registered stable tiers may pin
@@ -127,6 +132,7 @@ class ExecutionPlan:
         raw.setdefault("max_preemptions", MAX_PREEMPTIONS)
         raw.setdefault("max_pinned_share", MAX_PINNED_SHARE)
         raw.setdefault("max_step_tokens", raw["max_batch"] + raw["prefill_chunk"])
+        raw.setdefault("step_cost_tokens", 0)
         raw.setdefault("attn_block_pages", ATTN_BLOCK_PAGES)
         raw.setdefault("reduce_rows", 0)  # older plans: every product a dot
         raw.setdefault("linear_impl", "xla")
@@ -154,6 +160,22 @@ def pick_bucket(n: int, sizes: tuple[int, ...]) -> int:
     if i == len(sizes):
         raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
     return sizes[i]
+
+
+@functools.lru_cache(maxsize=4096)
+def first_chunk(left: int, sizes: tuple[int, ...], step_cost: int) -> int:
+    """The chunk bucket for the first piece of `left` prompt tokens prefilled alone, where a
+    step costs its bucket's tokens plus `step_cost`: whole chunks while they fill, then the
+    cheapest way through the tail in buckets, the last one padded (a tail of 171 at cost
+    16: 128 then 64, 208 tokens' worth against 272 for one padded 256). Ties go to the
+    larger bucket (fewer steps); a step_cost of 0 pads the tail into one bucket."""
+    if step_cost <= 0 or left >= sizes[-1]:
+        return sizes[-1]
+    best, choice = [0] * (left + 1), [0] * (left + 1)  # best[n]: the cost of n tokens
+    for n in range(1, left + 1):
+        cost, larger = min((c + step_cost + best[max(0, n - c)], -c) for c in sizes)
+        best[n], choice[n] = cost, -larger
+    return choice[left]
 
 
 @dataclass(frozen=True)
@@ -305,6 +327,14 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         "(experiments/load_budget.py, 4 runs): ITL p99 47-57% lower than with a whole chunk "
         "per step, for 0.3-0.6 s more TTFT; the median ITL rises when newcomers keep most "
         "steps carrying a chunk")
+    step_cost = choose(
+        "step_cost_tokens", None, 0 if gpu else CPU_STEP_COST,
+        "GPU: a chunk's padding costs little beside a step's weight reads: a prompt's tail "
+        "takes one padded bucket" if gpu else
+        f"CPU: a step costs about {CPU_STEP_COST} prompt tokens beyond its bucket's (chunks "
+        "alone at 2k positions: 16 tokens 34 ms, 64 87 ms, 128 159 ms, 256 316 ms): a "
+        "prompt's tail shorter than a chunk goes in smaller buckets where that beats padding "
+        "it (a 171-token tail: 128 + 64)")
     for name, value in (("max_batch", batch), ("prefill_chunk", chunk), ("max_context", context),
                         ("max_step_tokens", step_tokens)):
         if value < 1:
@@ -414,7 +444,8 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
     return ExecutionPlan(
         backend=hardware.backend, device_name=hardware.device_name, compute_dtype=compute,
         kv_dtype=kv, page_size=ps, num_pages=pages, max_context=context, max_batch=batch,
-        prefill_chunk=chunk, max_step_tokens=step_tokens, max_waiting=waiting, max_preemptions=MAX_PREEMPTIONS,
+        prefill_chunk=chunk, max_step_tokens=step_tokens, step_cost_tokens=step_cost,
+        max_waiting=waiting, max_preemptions=MAX_PREEMPTIONS,
         max_pinned_share=MAX_PINNED_SHARE, batch_buckets=buckets.batch,
         chunk_buckets=buckets.chunk, page_buckets=buckets.pages,
         attn_block_pages=buckets.attn_block, reduce_rows=buckets.reduce_rows, attn_impl=impl,

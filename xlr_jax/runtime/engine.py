@@ -41,7 +41,7 @@ from xlr_jax.model.executables import ExecutableStore, compile_for_later
 from xlr_jax.model.sampling import SamplingBatch, SamplingParams, sampler_for
 from xlr_jax.model.steps import Steps
 from xlr_jax.planning.mapper import (MAX_PINNED_SHARE, MAX_PREEMPTIONS, Buckets, ExecutionPlan,
-                                     buckets_for, pick_bucket)
+                                     buckets_for, first_chunk, pick_bucket)
 from xlr_jax.speculative.cycle import Draft, SpecConfig, SpecSteps
 from xlr_jax.speculative.runner import SpecRunner, check_request, start_metrics
 
@@ -152,6 +152,11 @@ class _Request:
         """len(context_ids), without building the list (the decode loop asks every step)."""
         return len(self.prompt_ids) + max(len(self.generated) - 1, 0)
 
+    def prefill_left(self) -> int:
+        """Tokens to prefill before the next place a chunk must end (`chunk_end`)."""
+        end = self.stable_end if self.prefilled < self.stable_end else self.context_len
+        return end - self.prefilled
+
     def chunk_end(self, chunk_max: int) -> int:
         """Where the next prefill chunk ends: after `chunk_max` tokens, or at the stable
         tier's end, so a later process that restores the tier from disk prefills the same
@@ -249,6 +254,7 @@ class _Step:
     # Proposal, first row, its last token's position)
     verify: list[tuple] = field(default_factory=list)
     logits: object = None  # [rows, V] on the device (device drafts are judged on them)
+    sampling: object = None  # the rows' SamplingBatch (a late bias draws again with it)
 
     def logprob_rows(self) -> list | None:
         """Each row's (chosen, top ids, top values) on the host, if any row asked."""
@@ -269,7 +275,8 @@ class Engine:
                  cache_namespace: str = "", tier_store: TierStore | None = None,
                  particle_cap: int = 4, compiler_options: dict | None = None,
                  max_preemptions: int = MAX_PREEMPTIONS,
-                 max_pinned_share: float = MAX_PINNED_SHARE, max_step_tokens: int = 0):
+                 max_pinned_share: float = MAX_PINNED_SHARE, max_step_tokens: int = 0,
+                 step_cost_tokens: int = 0):
         self.config, self.params, self.tokenizer = config, params.per_layer(), tokenizer
         self.max_context = max_context
         self.max_batch = max_batch
@@ -288,6 +295,7 @@ class Engine:
                                               -(-max_context // page_size), dense=True)
         # tokens one step may carry: every decode row and one prefill chunk
         self.max_step_tokens = max_step_tokens or max_batch + prefill_chunk
+        self.step_cost_tokens = step_cost_tokens  # splits a prompt's tail (first_chunk)
         self.steps = Steps(config, self.buckets, attn_impl, compiler_options)
         self.spec_steps = SpecSteps(config, attn_impl, compiler_options)
         self.particle_cap = particle_cap  # SMC particles at most (the plan's policy)
@@ -321,7 +329,8 @@ class Engine:
                    compiler_options=plan.compiler_options,
                    max_preemptions=plan.max_preemptions,
                    max_pinned_share=plan.max_pinned_share,
-                   max_step_tokens=plan.max_step_tokens)
+                   max_step_tokens=plan.max_step_tokens,
+                   step_cost_tokens=plan.step_cost_tokens)
 
     def use_step_store(self, store: ExecutableStore) -> int:
         """Keep compiled steps in `store` across processes; take (and run once, on the
@@ -483,12 +492,14 @@ class Engine:
             joinable = bool(waiting) and len(active) < self.max_batch
             if (inflight and inflight.chunk is None and inflight.rows == active
                     and not inflight.verify and not joinable and self._can_run_ahead(active)
-                    and not any(r.forced or r.params.logits_processor for r in active)
-                    and self._room_for_a_step(active)):
+                    and not any(r.forced for r in active) and self._room_for_a_step(active)):
                 # decode only: dispatch the next step on the device tokens before reading
-                # them back, so host work and dispatch overlap the step in flight
-                ahead = self.dispatch(list(active), feed=inflight.tokens)
+                # them back, so host work and dispatch overlap the step in flight; logits
+                # processors answer for it meanwhile, from the tokens read back, and their
+                # rows are drawn again with that bias (`_bias_late`)
+                ahead = self.dispatch(list(active), feed=inflight.tokens, late_bias=True)
                 yield from self.finished(*self._accept(inflight))
+                yield from self._bias_late(ahead)
                 inflight = ahead
                 continue
             if inflight:
@@ -536,6 +547,8 @@ class Engine:
         admitted: list[_Request] = []
         while waiting and len(active) + len(admitted) < self.max_batch:
             req = waiting[0]
+            if self._tier_in_flight(req, active + admitted):
+                break  # it shares the tier once that is written, instead of writing it too
             owed = sum(self.owed_pages(r) for r in active + admitted)
             if not self._take_cached_prefix(req, owed, self._need(req)):
                 if not active and not admitted:  # nothing running will free a page
@@ -551,6 +564,16 @@ class Engine:
             req.first_admitted = req.first_admitted or time.perf_counter()
             admitted.append(waiting.popleft())
         return admitted
+
+    def _tier_in_flight(self, req: _Request, running: list[_Request]) -> bool:
+        """Whether a running request is still prefilling `req`'s stable tier (agents
+        starting together on one system prompt): `req` then waits until that tier is
+        published (at its end, see `_accept`) and shares it. Prefill runs one request at
+        a time, so waiting costs `req` nothing."""
+        n = req.stable_end
+        return self.prefix_cache is not None and n > 0 and any(
+            r.prefilled < r.stable_end == n and r.prompt_ids[:n] == req.prompt_ids[:n]
+            for r in running)
 
     @staticmethod
     def _on_need(req: _Request) -> bool:
@@ -592,14 +615,40 @@ class Engine:
                 f"{self.config.vocab_size})" if bad else "no token ids to force")
         req.forced += token_ids
 
-    def _process_logits(self, active: list[_Request]):
-        """Ask each running request's logits processor for its next step's bias; a
+    def _bias_late(self, step: "_Step"):
+        """A run-ahead step's logits processing: each processor answers from the tokens
+        just accepted while the step runs on the device; rows with a bias are then drawn
+        again from the step's logits (Steps.redraw), before anything reads its tokens."""
+        yield from self._process_logits(step.rows, late=True)
+        rows = [(j, r.step_bias) for j, r in enumerate(step.rows)
+                if r.finish_reason is None and r.step_bias is not None]
+        if not rows:
+            return
+        bias = np.zeros(step.logits.shape, np.float32)
+        masked = np.zeros(len(bias), bool)
+        for j, values in rows:
+            bias[j], masked[j] = values, True
+        step.tokens, step.logprobs = self.steps.redraw(step.logits, step.tokens, bias,
+                                                       masked, step.sampling)
+
+    def _drawing(self, active: list[_Request]) -> list[_Request]:
+        """The requests the next step draws a token for: those decoding, and the one
+        prefilling next if its prompt can end in this chunk (earlier chunks draw none)."""
+        prefilling = next((r for r in active if not r.decoding), None)
+        return [r for r in active if r.decoding or (
+            r is prefilling and r.context_len - r.prefilled <= self.buckets.chunk[-1])]
+
+    def _process_logits(self, active: list[_Request], late: bool = False):
+        """Ask the logits processor of each running request the next step draws a token
+        for (`_drawing`; a run-ahead step's rows are all drawing) for its bias; a
         processor that fails, or returns no [vocab] array, ends its request alone
         ("abort", with metrics["error"] saying why)."""
         vocab = self.config.vocab_size
+        drawing = set(map(id, active if late else self._drawing(active)))
         for r in active:
             r.step_bias = None
-            if r.params.logits_processor is None or r.finish_reason is not None:
+            if (r.params.logits_processor is None or r.finish_reason is not None
+                    or id(r) not in drawing):
                 continue
             try:
                 bias = r.params.logits_processor(list(r.generated))
@@ -719,20 +768,23 @@ class Engine:
     def _publish(self, req: _Request, finished: bool) -> None:
         """Index what the request has written: its prompt once prefilled (with the stable
         tier's partial last page when the prompt runs past that page), and at the end
-        every full page of prompt + generated tokens."""
+        every page of prompt + generated tokens, the last one partial."""
         cache = self.prefix_cache
         if cache is None:
             return
         ps = self.pool.page_size
-        if not finished:
+        if not finished:  # the prompt as far as it is written
             boundary = req.stable_end if req.stable_end and (
                 len(req.prompt_ids) >= -(-req.stable_end // ps) * ps) else None
-            cache.publish(req.prompt_ids, req.seq.pages, partial_at=boundary)
+            cache.publish(req.prompt_ids[:req.prefilled], req.seq.pages, partial_at=boundary)
             return
-        # the last token was never fed; a request ended mid-prefill wrote less
+        # the last token was never fed; a request ended mid-prefill wrote less. Its last,
+        # partial page too: the next turn of a conversation starts with all of it
         written = (req.prompt_ids + req.generated[:-1])[:req.seq.length]
-        cache.publish(written, req.seq.pages)
-        if self.pool.num_free < self.pool.num_pages // 4:  # tight: keep volatile pages out
+        cache.publish(written, req.seq.pages, partial_at=len(written))
+        # tight (few pages free or evictable, not only few free: a warm pool is full of
+        # cached pages): keep volatile pages out
+        if self.pool.num_available < self.pool.num_pages // 4:
             cache.forget(req.seq.pages[max(req.context_end, req.stable_end) // ps + 1:])
 
     def finished(self, reqs, pieces):
@@ -761,18 +813,20 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.record(req.cache_metrics)
 
-    def chunk_room(self, rows: int) -> int:
-        """Prompt tokens a step with `rows` decode rows carries: a whole chunk when nothing
-        decodes; beside decode rows, the largest chunk bucket within the step budget
+    def chunk_room(self, rows: int, left: int | None = None) -> int:
+        """Prompt tokens a step with `rows` decode rows carries: when nothing decodes, a
+        whole chunk, or for `left` tokens short of one the bucket `first_chunk` picks;
+        beside decode rows, the largest chunk bucket within the step budget
         (max_step_tokens; the smallest bucket if none fits, so a prompt always moves): a
         chunk costs its bucket's step, full or not."""
         if rows == 0:
-            return self.buckets.chunk[-1]
+            return first_chunk(left or self.buckets.chunk[-1], self.buckets.chunk,
+                               self.step_cost_tokens)
         fits = [c for c in self.buckets.chunk if c <= self.max_step_tokens - rows]
         return fits[-1] if fits else self.buckets.chunk[0]
 
     def dispatch(self, decoding: list[_Request], chunk: _Request | None = None,
-                 feed=None, verify: list[tuple] = ()) -> "_Step":
+                 feed=None, verify: list[tuple] = (), late_bias: bool = False) -> "_Step":
         """Launch one step: a token for each request of `decoding` and the next chunk of
         `chunk`'s prompt; returns it with its device tokens unread.
 
@@ -781,17 +835,19 @@ class Engine:
         of speculating requests (SpecRunner.proposals), each fed its last token and its
         drafts as rows at consecutive positions (a row sees the KV the rows before it
         write); SpecRunner.take_verified decides from the rows' draws or logits.
+        `late_bias`: the decode rows' biases come after the dispatch (`_bias_late`).
         """
         rows = len(decoding) + sum(1 + len(p.drafts) for p in verify)
         part = []
         if chunk is not None:
-            part = chunk.context_ids[chunk.prefilled:chunk.chunk_end(self.chunk_room(rows))]
+            room = self.chunk_room(rows, chunk.prefill_left())
+            part = chunk.context_ids[chunk.prefilled:chunk.chunk_end(room)]
         build = self.steps.builder(rows, len(part))
         width = self.steps.buckets.table_width
         for r in decoding:
             self.apply_copies(r.seq.reserve(r.seq.length + 1))
             # the token drawn after position p is the (p + 1 - prompt)-th of its sequence
-            if r.step_bias is not None:
+            if r.step_bias is not None and not late_bias:
                 build.bias(build.decoded, r.step_bias)
             build.decode(r.generated[-1], r.seq.length, r.seq.block_table(width), r.params,
                          r.seq.length + 1 - len(r.prompt_ids))
@@ -812,10 +868,10 @@ class Engine:
                 build.bias(build.batch.decode_rows, chunk.step_bias)
             chunk.seq.length += len(part)
         started = time.perf_counter()
-        tokens, logits, logprobs, self.kv = self.steps.step(self.params, self.kv,
-                                                            build.build(feed))
+        batch = build.build(feed)
+        tokens, logits, logprobs, self.kv = self.steps.step(self.params, self.kv, batch)
         return _Step(decoding, chunk, build.batch.decode_rows, tokens, logprobs, started,
-                     verifying, logits)
+                     verifying, logits, batch.sampling)
 
     def _accept(self, step: "_Step") -> tuple[list[_Request], list[str]]:
         """Read a step's tokens back and accept them: a token for each decode row that
@@ -840,6 +896,8 @@ class Engine:
             reqs += verified
             pieces += texts
         r = step.chunk
+        if r is not None and r.finish_reason is None and r.prefilled == r.stable_end:
+            self._publish(r, finished=False)  # its stable tier: requests waiting share it
         # a resumed request (preempted) knows its next token already
         if (r is not None and r.finish_reason is None and not r.generated
                 and r.prefilled == len(r.prompt_ids)):

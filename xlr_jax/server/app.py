@@ -441,6 +441,14 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+def chat_message_parts(text: str, markers, opened: bool, parse_tools: bool):
+    """A whole answer's (reasoning_content or None, content, tool calls): the thought is
+    split off first, and only the text after it is parsed for calls."""
+    reasoning, answer = split_reasoning(text, markers, opened)
+    content, calls = parse_whole(answer) if parse_tools else (answer, [])
+    return reasoning, content, calls
+
+
 def _finish_reason(result, calls) -> str:
     return "tool_calls" if calls else result.finish_reason
 
@@ -606,8 +614,8 @@ def create_app(model, *, served_model_name: str, api_key: str | None = None,
             return _sse(_chat_stream(server, call, handle, parse_tools, include_usage,
                                      tokenizer, opened))
         result = await server.wait(call, handle, request)
-        reasoning, answer = split_reasoning(result.text, server.defaults.markers, opened)
-        content, calls = parse_whole(answer) if parse_tools else (answer, [])
+        reasoning, content, calls = chat_message_parts(result.text, server.defaults.markers,
+                                                       opened, parse_tools)
         reason = _finish_reason(result, calls)
         call.reasoning_tokens = await server.reasoning_tokens(call, result, opened)
         server.finished(call, handle, result, reason, len(calls))

@@ -115,7 +115,8 @@ class _Sampling(_Open):
     n: int | None = Field(None, description="only 1 is supported")
     presence_penalty: float | None = Field(None, description="accepted and ignored")
     frequency_penalty: float | None = Field(None, description="accepted and ignored")
-    top_k: int | None = Field(None, ge=0, description="extra: keep the k likeliest (0 off)")
+    top_k: int | None = Field(None, ge=0, le=2**31 - 1,
+                              description="extra: keep the k likeliest (0 off)")
     min_p: float | None = Field(None, ge=0, le=1, description="extra: min-p filtering")
     speculative: dict | None = Field(
         None, description='extra: speculative decoding, e.g. {"method": "exact", '
