@@ -1,7 +1,7 @@
 """Agent-like conversation on the embedded model: TTFT per turn with the prefix cache off, on,
 and warm-started from disk in a fresh process.
 
-An agent sends the same long system prompt (rules and tool schemas, >= 1,500 tokens) every
+An agent sends the same long system prompt (rules and tool schemas, ~1.9k tokens) every
 turn, then a history that only grows, then a short new message. Each mode runs in its own
 process, then the measured 8 turns, greedy. Modes:
   off   load_model(prefix_cache=False), after a warm-up conversation
@@ -30,35 +30,7 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-TURNS = ["Find the three most cited papers on speculative decoding.",
-         "Summarize the second one in two sentences.",
-         "Which datasets did it evaluate on?",
-         "Write a shell command that downloads its PDF.",
-         "Now read the file and list its section titles.",
-         "Which section describes the acceptance rule?",
-         "Draft an email to the lab about it.",
-         "Create an issue to reproduce its main table."]
-TOOLS = ["search_web", "read_file", "write_file", "run_shell", "http_get", "send_email",
-         "create_issue"]
-
-
-def system_prompt(variant: str) -> str:
-    """Rules and tool schemas; `variant` changes words, not the token count much."""
-    tools = [{"type": "function", "function": {
-        "name": f"{variant}_{name}",
-        "description": f"Tool {name.replace('_', ' ')}: use it when the user asks to "
-                       f"{name.replace('_', ' ')}. It returns JSON with fields status, result "
-                       "and error; never call it twice with the same arguments.",
-        "parameters": {"type": "object", "properties": {
-            "query": {"type": "string", "description": "what to look for, in plain words"},
-            "limit": {"type": "integer", "description": "results to return at most (1-50)"},
-            "path": {"type": "string", "description": "a path relative to the workspace"}},
-            "required": ["query"]}}} for name in TOOLS]
-    rules = "\n".join(f"{i}. Rule {i} for {variant}: think step by step, prefer tools over "
-                      "guessing, cite sources, keep answers under five sentences, and say when "
-                      "you are unsure." for i in range(1, 13))
-    return (f"You are {variant}, a local research agent. Follow the rules below.\n{rules}\n"
-            "Tools available (JSON schemas):\n" + json.dumps(tools, indent=1))
+from xlr_jax.bench.serving import TURNS, agent_system_prompt
 
 
 def conversation(model, system: str, max_tokens: int, turns_text=TURNS) -> list[dict]:
@@ -85,11 +57,11 @@ def run_mode(mode: str, cache_dir: str, max_tokens: int) -> dict:
     model = xlr_jax.load_model("smollm2", cache_dir=cache_dir, max_context=4096, max_batch=1,
                                prefix_cache=mode != "off")
     if mode != "warm":  # warm-up, 12 turns: compiles every step shape the 8 turns will meet
-        conversation(model, system_prompt("Athena"), max_tokens, TURNS + TURNS[:4])
+        conversation(model, agent_system_prompt("Athena"), max_tokens, TURNS + TURNS[:4])
         if model.prefix_cache is not None:  # its tier must not take the measured one's pages
             for tier in model.prefix_cache.registered():
                 model.prefix_cache.unregister_stable(tier)
-    turns = conversation(model, system_prompt("Hermes"), max_tokens)
+    turns = conversation(model, agent_system_prompt("Hermes"), max_tokens)
     if model.engine.tier_store is not None:
         model.engine.tier_store.flush()
     return {"mode": mode, "turns": turns, "load": model.load_info,

@@ -22,106 +22,48 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
-try:
-    import httpx
-except ImportError:  # the openai client's own HTTP library, where it is httpx2
-    import httpx2 as httpx
+from xlr_jax.bench.serving import (ServerProcess, httpx, on_threads, percentiles, stream_chat,
+                                   xlr_server)
 
 PROMPTS = [f"{ask} {topic}." for ask in ("Explain briefly", "Give one fact about",
                                         "Write a short line on", "Name a use of")
            for topic in ("the Moon", "rivers", "bread", "prime numbers")]
 
 
-class Server:
-    """An `xlr serve` subprocess on a free loopback port."""
-
-    def __init__(self, cache_dir: Path, log: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "xlr_jax.cli", "serve", "--port", str(self.port),
-             "--cache-dir", str(cache_dir), "--max-waiting", "256"],
-            stdout=subprocess.DEVNULL, stderr=log.open("w"))
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"xlr serve exited:\n{log.read_text()[-3000:]}")
-            try:
-                if self.http.get("/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.5)
-        raise SystemExit("xlr serve did not come up within 600 s")
-
-    def stall(self) -> float:
-        return self.http.get("/health").json()["event_loop_max_stall_s"]
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(120)
+def serve(cache_dir: Path, log: Path) -> ServerProcess:
+    return xlr_server(cache_dir, log, "--max-waiting", "256")
 
 
-def stream_one(http, prompt: str, max_tokens: int) -> dict:
-    """One streaming chat completion; client-side TTFT, content-chunk gaps and tokens."""
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    sent = time.perf_counter()
-    arrivals, tokens = [], 0
-    with http.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if event["choices"] and event["choices"][0]["delta"].get("content"):
-                arrivals.append(time.perf_counter())
-    return {"ttft_s": arrivals[0] - sent if arrivals else None,
-            "gaps_s": list(np.diff(arrivals)), "completion_tokens": tokens}
+def stall(server: ServerProcess) -> float:
+    return server.get("/health")["event_loop_max_stall_s"]
 
 
-def level(server: Server, clients: int, requests: int, max_tokens: int) -> dict:
+def level(server: ServerProcess, clients: int, requests: int, max_tokens: int) -> dict:
     """C clients, each sending R requests in turn; figures over all of them."""
     records, lock = [], threading.Lock()
 
     def client(c: int):
-        with httpx.Client(base_url=server.http.base_url, timeout=600) as http:
+        with httpx.Client(base_url=server.base_url, timeout=600) as http:
             for k in range(requests):
-                r = stream_one(http, PROMPTS[(c * requests + k) % len(PROMPTS)], max_tokens)
+                messages = [{"role": "user",
+                             "content": PROMPTS[(c * requests + k) % len(PROMPTS)]}]
+                r = stream_chat(http, server.model, messages, max_tokens)
                 with lock:
                     records.append(r)
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    on_threads(client, range(clients))
     wall = time.perf_counter() - start
-    ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
-    gaps = [g for r in records for g in r["gaps_s"]]
-    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
     return {"clients": clients, "requests": len(records), "wall_s": wall,
             "throughput_tokens_per_s": sum(r["completion_tokens"] for r in records) / wall,
-            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99),
-            "event_loop_max_stall_s": server.stall()}
+            **percentiles([r["ttft_s"] for r in records], "ttft"),
+            **percentiles([g for r in records for g in r["gaps_s"]], "itl"),
+            "event_loop_max_stall_s": stall(server)}
 
 
 def main(argv=None) -> dict:
@@ -143,15 +85,15 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="xlr-serve-load-") as tmp:
         tmp = Path(tmp)
         cache = Path(args.cache_dir) if args.cache_dir else tmp / "cache"
-        warm = Server(cache, tmp / "warm.log")  # compiles and stores every shape used
+        warm = serve(cache, tmp / "warm.log")  # compiles and stores every shape used
         try:
             for c in args.clients:
                 level(warm, c, args.requests, args.max_tokens)
         finally:
             warm.stop()
-        server = Server(cache, tmp / "measured.log")
+        server = serve(cache, tmp / "measured.log")
         try:
-            startup_stall = server.stall()
+            startup_stall = stall(server)
             levels = [level(server, c, args.requests, args.max_tokens) for c in args.clients]
         finally:
             server.stop()

@@ -34,7 +34,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from prefix_cache_agent import TURNS, system_prompt
+from xlr_jax.bench.serving import TURNS, agent_system_prompt
 
 PROMPT = "Give me three facts about the Moon."
 CHAT_TURNS = ["Hi!", "What is the capital of France?", "Thanks, and of Italy?"]
@@ -99,7 +99,7 @@ def agent_turn(model: str, cache_dir: str, max_tokens: int, quick: bool) -> dict
     start = time.perf_counter()
     m = xlr_jax.load_model(model, cache_dir=cache_dir, **AGENT_LOAD)
     load_s = time.perf_counter() - start
-    system = system_prompt("Hermes")[:600 if quick else None]
+    system = agent_system_prompt("Hermes")[:600 if quick else None]
     r = m.chat([{"role": "system", "content": system}, {"role": "user", "content": TURNS[0]}],
                max_tokens=max_tokens)
     m.engine.tier_store.flush()  # the next process must find the tier on disk

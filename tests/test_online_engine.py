@@ -1,5 +1,5 @@
-"""The online, verify-rows, serve-load and load-budget experiments run end to end (--quick)
-and report sane figures."""
+"""The online, verify-rows, serve-load, serve-bench, constrained-decode and load-budget
+experiments run end to end (--quick) and report sane figures."""
 import json
 import subprocess
 import sys
@@ -72,6 +72,46 @@ def test_serve_load_experiment_quick(tmp_path, cache_dir):
         assert f["requests"] == f["clients"] * r["config"]["requests_per_client"]
         assert f["throughput_tokens_per_s"] > 0 and 0 < f["ttft_p50_s"] <= f["ttft_p99_s"]
         assert 0 <= r["startup_event_loop_max_stall_s"] <= f["event_loop_max_stall_s"]
+
+
+def test_serve_bench_experiment_quick(tmp_path, cache_dir):
+    """experiments/serve_bench.py --quick (llama.cpp skipped): an agent through xlr serve
+    with and without the prefix cache (the same greedy replies; cached tokens only with
+    it), agents at once, the in-process overhead rounds and a rate level, with targets,
+    JSON and PNG."""
+    r = run_quick("serve_bench.py", tmp_path, cache_dir)
+    assert r["experiment"] == "serve_bench" and r["quick"] and "sha" in r["git"]
+    assert r["llama_cpp"].startswith("skipped") and set(r["agents"]) == {"xlr-jax"}
+    c = r["config"]
+    on, off = r["agent"]["xlr-jax"]["turns"], r["agent"]["xlr-jax --no-prefix-cache"]["turns"]
+    assert len(on) == len(off) == c["turns"]
+    assert [t["text"] for t in on] == [t["text"] for t in off]
+    assert on[1]["cached_tokens"] > 0 and not any(t["cached_tokens"] for t in off)
+    assert all(t["prompt_tokens"] > 1000 and t["ttft_s"] > 0 for t in on + off)
+    agents = r["agents"]["xlr-jax"]["conversations"]
+    assert len(agents) == c["agents"] and all(len(a["turns"]) == c["turns"] for a in agents)
+    o = r["overhead"]
+    assert len(o["in_process_s"]) == len(o["http_s"]) == o["rounds"] == c["rounds"]
+    assert o["in_process_p50_s"] > 0 and o["http_p50_s"] > 0
+    (level,) = r["rates"]["xlr-jax"]
+    assert level["requests"] == c["requests_per_rate"] and level["completion_tokens"] > 0
+    assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"]
+    assert set(r["targets"]) == {"turn_2_plus_ttft_off_over_on", "server_overhead_ms"}
+    assert all(isinstance(t["pass"], bool) for t in r["targets"].values())
+    (png,) = tmp_path.glob("serve_bench-*.png")
+    assert png.stat().st_size > 0
+
+
+def test_constrained_decode_experiment_quick(tmp_path, cache_dir):
+    """experiments/constrained_decode.py --quick: plain streams alone and beside a request
+    held to a JSON schema, with the mask's cost per token."""
+    r = run_quick("constrained_decode.py", tmp_path, cache_dir)
+    assert r["experiment"] == "constrained_decode" and r["quick"] and "sha" in r["git"]
+    f = r["figures"]
+    assert f["plain_itl_alone_s"] > 0 and f["plain_itl_beside_masked_s"] > 0
+    assert 0 < f["mask_s_per_token"] < f["masked_itl_s"]
+    assert f["masked_step_over_plain"] == f["masked_itl_s"] / f["plain_itl_alone_s"]
+    assert all(rnd["beside_masked"]["masked_tokens"] > 0 for rnd in r["rounds"])
 
 
 def test_load_budget_experiment_quick(tmp_path, cache_dir):
