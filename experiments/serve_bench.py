@@ -20,8 +20,11 @@ Workloads, all greedy and streamed:
             set built here (short questions; passages of experiments/cpu_vs_transformers.toml
             with a question; one-off agent requests on the agent system prompt); TTFT and ITL
             p50/p99, throughput, prompt tokens found cached. xlr serve and llama.cpp.
-Every server first answers a warm-up (other system prompts and prompts: xlr serve compiles its
-step shapes on first use, llama.cpp maps its model), so nothing measured shares a prefix with it
+The first xlr serve answers a warm-up (other system prompts and prompts: it compiles its step
+shapes on first use and stores them under --cache-dir), then agents at once, the overhead and
+the sweep. The one-agent runs, with and without the prefix cache, each start a fresh server on
+that cache directory and measure at once, as a restarted server meets its first agent.
+llama.cpp answers one short request first. Nothing measured shares a prefix with a warm-up
 beyond the chat template; the system prompts carry a fresh run id, so no tier an earlier run
 left in --cache-dir hits. Servers run one at a time. llama.cpp is `pip install
 "llama-cpp-python[server]"`, started as `python -m llama_cpp.server --n_threads 2 --n_ctx 8192
@@ -51,14 +54,11 @@ from pathlib import Path
 
 import numpy as np
 
-from xlr_jax.bench.serving import (TURNS, ServerProcess, agent_system_prompt, httpx,
-                                   llama_cpp_available, llama_cpp_server, on_threads,
+from xlr_jax.bench.serving import (QUESTIONS, TURNS, ServerProcess, agent_system_prompt,
+                                   httpx, llama_cpp_available, llama_cpp_server, on_threads,
                                    percentiles, run_agent, stream_chat, xlr_server)
 
 PASSAGE = Path(__file__).with_name("cpu_vs_transformers.toml")  # its [prompt] passage
-QUESTIONS = [f"{ask} {topic}." for ask in ("Explain briefly", "Give one fact about",
-                                           "Write a short line on", "Name a use of")
-             for topic in ("the Moon", "rivers", "bread", "prime numbers", "glass", "owls")]
 
 
 def prompt_set(n: int, seed: int, system: str) -> list[list[dict]]:
@@ -248,16 +248,13 @@ def main(argv=None) -> dict:
         tmp = Path(tmp)
         cache = Path(args.cache_dir) if args.cache_dir else tmp / "cache"
 
-        def warm_up(server: ServerProcess, usage: bool, full: bool) -> None:
+        def warm_up(server: ServerProcess) -> None:  # every step shape the parts use
             with httpx.Client(base_url=server.base_url, timeout=1800) as http:
                 run_agent(http, server.model, system("Athena"), 0, args.turns,
-                          args.max_tokens, usage)
-            if full:  # the batch shapes of agents at once and of the sweep
-                agents_at_once(server, system("Selene"), agents, args.turns,
-                               args.max_tokens, usage)
-                rate_sweep(server, prompt_set(args.requests, args.seed + 1, system("Warm")),
-                           args.rates[-1:],
-                           args.requests, args.max_tokens, usage, args.seed + 1)
+                          args.max_tokens, True)
+            agents_at_once(server, system("Selene"), agents, args.turns, args.max_tokens, True)
+            rate_sweep(server, prompt_set(args.requests, args.seed + 1, system("Warm")),
+                       args.rates[-1:], args.requests, args.max_tokens, True, args.seed + 1)
 
         def measure(name: str, server: ServerProcess, usage: bool,
                     parts=("agent", "agents", "rates")) -> None:
@@ -273,25 +270,25 @@ def main(argv=None) -> dict:
                 result["rates"][name] = rate_sweep(server, prompts, args.rates, args.requests,
                                                    args.max_tokens, usage, args.seed)
 
-        print("xlr serve: warm-up, agent, agents at once, overhead, rate sweep", flush=True)
+        print("xlr serve: warm-up, agents at once, overhead, rate sweep", flush=True)
         server = xlr_server(cache, tmp / "xlr.log")
         try:
-            warm_up(server, True, True)
-            measure("xlr-jax", server, True)
+            warm_up(server)
+            measure("xlr-jax", server, True, parts=("agents", "rates"))
             result["overhead"] = server_overhead(
-                server, cache, [{"role": "system", "content": system("Hermes")},
+                server, cache, [{"role": "system", "content": system("Overhead")},
                                 {"role": "user", "content": TURNS[0]}], args.rounds)
         finally:
             server.stop()
-        print("xlr serve --no-prefix-cache: warm-up, agent", flush=True)
-        server = xlr_server(cache, tmp / "xlr-off.log", "--no-prefix-cache")
-        try:
-            warm_up(server, True, False)
-            with httpx.Client(base_url=server.base_url, timeout=1800) as http:
-                result["agent"]["xlr-jax --no-prefix-cache"] = run_agent(
-                    http, server.model, system("Hermes"), 0, args.turns, args.max_tokens, True)
-        finally:
-            server.stop()
+        # one agent in fresh processes, as a restarted server meets it: the steps the
+        # first server compiled are on disk, nothing else is warm
+        for name, flags in (("xlr-jax", ()), ("xlr-jax --no-prefix-cache", ("--no-prefix-cache",))):
+            print(f"{name}: a fresh server, one agent", flush=True)
+            server = xlr_server(cache, tmp / f"{name.split()[-1]}.log", *flags)
+            try:
+                measure(name, server, True, parts=("agent",))
+            finally:
+                server.stop()
         if llama:
             print("llama.cpp server: warm-up, agent, agents at once, rate sweep", flush=True)
             server = llama_cpp_server(tmp / "llama.log")

@@ -5,7 +5,7 @@ Two server processes on one cache directory, one after the other: the first comp
 stores every step shape the workload needs (the whole workload run once, then SIGTERM); the
 second, measured one starts warm, as a restarted server would. Against it, at each concurrency level,
 C client threads each send R streaming chat completions one after another (greedy, at most
---max-tokens tokens, over 16 short prompts), timing on the client side: TTFT (request sent to
+--max-tokens tokens, over 24 short prompts), timing on the client side: TTFT (request sent to
 the first content chunk), every gap between content chunks (ITL), and completion tokens from
 the usage chunk. After each level the server's /health reports its event loop's largest stall
 since it started (how late a 50 ms sleep woke up: time the loop spent not serving sockets).
@@ -27,12 +27,9 @@ import threading
 import time
 from pathlib import Path
 
-from xlr_jax.bench.serving import (ServerProcess, httpx, on_threads, percentiles, stream_chat,
-                                   xlr_server)
+from xlr_jax.bench.serving import (QUESTIONS, ServerProcess, httpx, on_threads, percentiles,
+                                   stream_chat, xlr_server)
 
-PROMPTS = [f"{ask} {topic}." for ask in ("Explain briefly", "Give one fact about",
-                                        "Write a short line on", "Name a use of")
-           for topic in ("the Moon", "rivers", "bread", "prime numbers")]
 
 
 def serve(cache_dir: Path, log: Path) -> ServerProcess:
@@ -51,7 +48,7 @@ def level(server: ServerProcess, clients: int, requests: int, max_tokens: int) -
         with httpx.Client(base_url=server.base_url, timeout=600) as http:
             for k in range(requests):
                 messages = [{"role": "user",
-                             "content": PROMPTS[(c * requests + k) % len(PROMPTS)]}]
+                             "content": QUESTIONS[(c * requests + k) % len(QUESTIONS)]}]
                 r = stream_chat(http, server.model, messages, max_tokens)
                 with lock:
                     records.append(r)
@@ -100,7 +97,7 @@ def main(argv=None) -> dict:
     result = {"what": "streaming chat clients against xlr serve (warm start); client-side "
                       "TTFT and chunk gaps; the server's event-loop stall",
               "config": {"clients": args.clients, "requests_per_client": args.requests,
-                         "max_tokens": args.max_tokens, "prompts": len(PROMPTS)},
+                         "max_tokens": args.max_tokens, "prompts": len(QUESTIONS)},
               "startup_event_loop_max_stall_s": startup_stall, "levels": levels}
     path = write_result(args.out, "serve_load", result, args.quick)
     for f in levels:

@@ -149,8 +149,11 @@ def percentiles(values, name: str) -> dict:
             for q in (50, 99)}
 
 
-# ---------------------------------------------------------------- the agent workload
+# ---------------------------------------------------------------- the workloads
 
+QUESTIONS = [f"{ask} {topic}." for ask in ("Explain briefly", "Give one fact about",
+                                           "Write a short line on", "Name a use of")
+             for topic in ("the Moon", "rivers", "bread", "prime numbers", "glass", "owls")]
 TOOLS = ["search_web", "read_file", "write_file", "run_shell", "http_get", "send_email",
          "create_issue", "list_directory"]
 TURNS = ["Find the three most cited papers on speculative decoding.",

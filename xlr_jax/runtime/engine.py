@@ -643,12 +643,14 @@ class Engine:
         for (`_drawing`; a run-ahead step's rows are all drawing) for its bias; a
         processor that fails, or returns no [vocab] array, ends its request alone
         ("abort", with metrics["error"] saying why)."""
+        asking = [r for r in active if r.params.logits_processor is not None]
+        if not asking:  # the usual step: nothing to ask, nothing built
+            return
         vocab = self.config.vocab_size
-        drawing = set(map(id, active if late else self._drawing(active)))
-        for r in active:
-            r.step_bias = None
-            if (r.params.logits_processor is None or r.finish_reason is not None
-                    or id(r) not in drawing):
+        drawing = active if late else self._drawing(active)
+        for r in asking:
+            r.step_bias = None  # only a processor's request ever holds one
+            if r.finish_reason is not None or r not in drawing:
                 continue
             try:
                 bias = r.params.logits_processor(list(r.generated))

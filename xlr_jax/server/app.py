@@ -274,8 +274,8 @@ class Server:
         opens one, or the chat template knows the start marker: a model that may open
         one itself), a request with a thought budget or a constraint gets a ThoughtBudget
         (`call.thought`): it holds the thought to the budget and hands the constraint the
-        answer alone. Elsewhere it is not needed, and a processor would cost the request
-        the engine's run-ahead dispatch."""
+        answer alone. Elsewhere it is not needed, and a processor would cost every token
+        a call on the engine's loop thread."""
         tokenizer, markers = self.model.tokenizer, self.defaults.markers
         if tokenizer is None:
             return False

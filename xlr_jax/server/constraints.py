@@ -49,7 +49,8 @@ class Grammars:
         self._tokenizer = llguidance.LLTokenizer(
             tokenizer.backend_json(), n_vocab=vocab_size, eos_token=self.eos_ids)
         single = (tokenizer.encode(text, add_special_tokens=False) for text in CLOSERS)
-        self.closer_ids = [ids[0] for ids in single if len(ids) == 1]
+        # what a closing constraint keeps, the first it allows: EOS, then CLOSERS
+        self.closing_ids = self.eos_ids + [ids[0] for ids in single if len(ids) == 1]
 
     def json_schema(self, schema: dict, max_tokens: int) -> "Constraint":
         """Output that is one JSON value valid under `schema`."""
@@ -101,7 +102,7 @@ class Constraint:
         allowed = self.allowed()
         bias = np.full(self._grammars.vocab_size, -np.inf, np.float32)
         if self._closing(generated):
-            first = next((t for t in self._preferred() if allowed[t]), None)
+            first = next((t for t in self._grammars.closing_ids if allowed[t]), None)
             if first is not None:
                 bias[first] = 0.0
                 return bias
@@ -137,9 +138,6 @@ class Constraint:
             return True
         tail = generated[-LOOP_TOKENS:]
         return len(tail) == LOOP_TOKENS and len(set(tail)) == 1
-
-    def _preferred(self) -> list[int]:
-        return self._grammars.eos_ids + self._grammars.closer_ids
 
 
 def tool_choice_constraint(grammars: Grammars, tools: list[dict], choice,

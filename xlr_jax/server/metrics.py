@@ -62,7 +62,7 @@ class ServerMetrics:
             "(tool_choice, response_format): one a generated token.")
         self.constraint_mask_seconds = counter(
             "xlr_constraint_mask_seconds", "Time spent computing those masks (on the "
-            "engine's loop thread, between steps).")
+            "engine's loop thread: while a decode step runs, else before it is dispatched).")
         self._finished = Counter("xlr_request_success", "Finished requests by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
         self._errors = Counter("xlr_request_errors", "Requests refused or failed, by status.",

@@ -118,7 +118,6 @@ class ThoughtBudget:
                                        add_special_tokens=False)
         self.budget, self._opened, self._inner = budget, opened, inner
         self._max_tokens = max_tokens
-        self._seen: list[int] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -126,7 +125,7 @@ class ThoughtBudget:
         self._thought_from = 0  # the first thought token's index
         self._force_from: int | None = None  # where the forced end marker starts
         self.answer_from: int | None = None  # the answer's first index
-        self._seen = []
+        self._seen: list[int] = []
 
     @property
     def thought_tokens(self) -> int:
