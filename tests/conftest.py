@@ -1,7 +1,60 @@
-"""Shared fixtures: the embedded model (ours and the transformers reference), loaded once."""
+"""Shared fixtures: the embedded model (ours and the transformers reference), loaded once,
+and the CPU kernels built for every target the tests check."""
+import math
 import os
+import platform
 
 import pytest
+
+# the targets the CPU kernels are tested on, whatever machine runs the tests: this CPU's
+# own, and on x86-64 AVX2 (every x86-64 CI machine runs it) and SSE2 (4 lanes: the
+# portable vectors, as on NEON)
+KERNEL_TARGETS = ("native", "x86-64-v3", "x86-64") if platform.machine() in ("x86_64", "AMD64") \
+    else ("native",)
+
+
+def pytest_configure(config):
+    """One kernels directory for this process and every process the tests start (a test
+    moving XLR_CACHE_DIR does not build them again)."""
+    from xlr_jax.ops import cpu_kernels
+
+    os.environ.setdefault("XLR_KERNEL_DIR", str(cpu_kernels.kernel_dir()))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """The runtime's kernels built before the first test (waiting for the compiler, once
+    per key; a later run finds them), so the tests' "cpu" paths run them, and processes
+    the tests start load them rather than building them in the background."""
+    from xlr_jax.ops import cpu_kernels
+
+    cpu_kernels.build_error(wait_s=math.inf)
+
+
+def built_kernels(target: str | None = None) -> str:
+    """`target`'s kernels registered (default: the runtime's), waiting for their build: a
+    failed build fails the test; only a machine without a C++ compiler skips it."""
+    from xlr_jax.ops import cpu_kernels
+
+    target = target or cpu_kernels.default_target()
+    why = cpu_kernels.build_error(target, wait_s=math.inf)
+    if why is None:
+        return target
+    if isinstance(cpu_kernels.library_build(target), str):
+        pytest.skip(f"no C++ compiler: {why}")
+    pytest.fail(f"the CPU kernels for {target} did not build: {why}")
+
+
+@pytest.fixture(params=KERNEL_TARGETS)
+def kernel_target(request) -> str:
+    """Each of KERNEL_TARGETS, its kernels built and registered."""
+    return built_kernels(request.param)
+
+
+@pytest.fixture
+def cpu_kernels_on() -> None:
+    """The runtime's kernels registered (see built_kernels)."""
+    built_kernels()
 
 
 def pytest_collection_modifyitems(config, items):

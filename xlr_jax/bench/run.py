@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 from xlr_jax.bench.engines import (RUNNERS, leading_agreement, measure, measure_streams,
                                    prompt_ids, roofline)
 from xlr_jax.errors import XlrError
-from xlr_jax.planning.hardware import cpu_name, measure_bandwidth
+from xlr_jax.ops import cpu_kernels
+from xlr_jax.planning.hardware import cpu_features, cpu_name, measure_bandwidth
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -182,10 +183,17 @@ def environment(uses_torch: bool) -> dict:
     packages = ["jax", "jaxlib", "numpy"] + (["torch", "transformers"] if uses_torch else [])
     env = {f"{p}_version": importlib.metadata.version(p) for p in packages}
     env.update(python=platform.python_version(), platform=platform.platform(),
-               cpu_model=cpu_name(), cpu_count=os.cpu_count(),
+               cpu_model=cpu_name(), cpu_count=os.cpu_count(), cpu_flags=cpu_features(),
+               cpu_kernels=_cpu_kernels_state(),
                jax_backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind,
                device_count=jax.device_count())
     return env
+
+
+def _cpu_kernels_state() -> str:
+    if jax.default_backend() != "cpu":
+        return "not used (not the CPU backend)"
+    return cpu_kernels.status() or f"on (built for {cpu_kernels.default_target()})"
 
 
 def git_state() -> dict:

@@ -62,7 +62,16 @@ def _load(args, source=None, **options):
                        prefix_cache=not args.no_prefix_cache, **options)
     print(f"loaded in {model.load_info['load_s']:.2f} s ({_load_summary(model.load_info)})",
           file=sys.stderr, flush=True)
+    say_kernels_off(model.plan)
     return model
+
+
+def say_kernels_off(plan) -> None:
+    """One line when `plan` runs on the CPU without its kernels, saying why."""
+    from xlr_jax.ops import cpu_kernels
+
+    if "cpu" not in (plan.attn_impl, plan.linear_impl) and (line := cpu_kernels.status()):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _load_summary(info: dict) -> str:
@@ -113,7 +122,10 @@ def _one_shot(args) -> dict:
     command run again meets the same plan, hence the same compiled steps."""
     from xlr_jax.loading.registry import default_cache_dir, resolve_model
     from xlr_jax.loading.weights import open_source
+    from xlr_jax.ops import cpu_kernels
 
+    if args.attn_impl != "xla" or args.linear_impl != "xla":
+        cpu_kernels.build_error()  # a build the CPU kernels need runs beside the parsing
     source = open_source(resolve_model(args.model), args.cache_dir or default_cache_dir())
     if source.tokenizer is None or args.spec is not None:  # speculation keeps the whole pool
         return {"source": source}

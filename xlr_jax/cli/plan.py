@@ -51,8 +51,14 @@ def _plan_for(args):
 
 
 def cmd_plan(args) -> int:
+    from xlr_jax.cli.main import say_kernels_off
+    from xlr_jax.ops import cpu_kernels
+
     args.model = args.model_pos or args.model
+    if args.warmup:  # the kernels built now, a failure recorded before tried again
+        cpu_kernels.build_error(retry=True)
     execution, model = _plan_for(args)
+    say_kernels_off(execution)
     started = time.perf_counter()
     report = model.warmup() if model is not None else None
     warmup_s = time.perf_counter() - started
@@ -155,7 +161,8 @@ def add_cli(sub, add_model_options) -> None:
                    help="model name or path (default: the embedded one)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--warmup", action="store_true",
-                   help="load the model and compile every bucket ahead of time")
+                   help="build the CPU kernels (again, if a build failed), load the model "
+                        "and compile every bucket ahead of time")
     add_model_options(p)
     for flag, what in (("--max-context", "context length"), ("--max-batch", "sequences at once"),
                        ("--prefill-chunk", "prefill tokens per step"),

@@ -95,12 +95,6 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def gguf_field(reader, key: str, default=None):
-    """A GGUF metadata field's value (`gguf.GGUFReader`), or `default` when absent."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 class Tokenizer:
     """A `tokenizers` pipeline plus the special-token facts and chat template a model ships with."""
 
@@ -118,10 +112,9 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader) -> "Tokenizer":
-        """Build from a `gguf.GGUFReader`'s tokenizer metadata (byte-level BPE vocabularies only)."""
-
-        def meta(key, default=None):
-            return gguf_field(reader, key, default)
+        """Build from a GGUF file's tokenizer metadata (`loading.gguf_file`; byte-level BPE
+        vocabularies only)."""
+        meta = reader.fields.get
 
         kind = meta("tokenizer.ggml.model")
         if kind != "gpt2":

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from xlr_jax.errors import ModelLoadError, UnsupportedModelError
 from xlr_jax.loading.disk_cache import atomic_entry, file_digest, load_arrays, save_arrays
-from xlr_jax.loading.tokenizer import Tokenizer, gguf_field
+from xlr_jax.loading.tokenizer import Tokenizer
 from xlr_jax.model.config import ModelConfig, RopeScaling
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def gguf_config(reader) -> ModelConfig:
-    arch = gguf_field(reader, "general.architecture")
+    arch = reader.fields.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; supported: "
@@ -94,11 +94,11 @@ def gguf_config(reader) -> ModelConfig:
             "directory of the model instead")
 
     def f(key, default=None):
-        return gguf_field(reader, f"{arch}.{key}", default)
+        return reader.fields.get(f"{arch}.{key}", default)
 
     hidden, heads = int(f("embedding_length")), int(f("attention.head_count"))
     tensors = {t.name for t in reader.tensors}
-    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
     scaling = RopeScaling()
     if f("rope.scaling.type") == "linear":
         scaling = RopeScaling(kind="linear", factor=float(f("rope.scaling.factor")))
@@ -118,11 +118,13 @@ def gguf_config(reader) -> ModelConfig:
 
 
 def _gguf_reader(path: Path):
-    import gguf
+    """The parsed GGUF file (`loading.gguf_file`, imported here: a warm load imports no
+    GGUF code)."""
+    from xlr_jax.loading.gguf_file import GGUFFile
 
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises bare ValueError/struct errors
+        return GGUFFile(path)
+    except (ValueError, OSError) as e:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}; the file is corrupt or "
                              "truncated, download it again") from e
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from xlr_jax.ops import cpu_kernels
+
 TARGET = "xlr_paged_attention"
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_GROUP = 8
@@ -39,10 +41,10 @@ def supports(q_shape, kv_pages, kv_scales=None) -> bool:
 
 
 def attention(q, kv_pages, block_tables, lengths, q_positions, *, layer=None,
-              sliding_window=None):
+              sliding_window=None, target=None):
     """paged_attention's padded form (q [rows, q_len, heads, dim], q_positions [rows,
-    q_len]; a position < 0 sees nothing) by the kernel; call `cpu_kernels.build_error()`
-    first (it registers the target)."""
+    q_len]; a position < 0 sees nothing) by the kernel built for `target` (default: the
+    runtime's); call `cpu_kernels.build_error(target)` first (it registers the kernel)."""
     k, v = kv_pages
     if layer is None:  # one layer's pages: a layer axis of one
         k, v, layer = k[None], v[None], 0
@@ -50,7 +52,8 @@ def attention(q, kv_pages, block_tables, lengths, q_positions, *, layer=None,
     last = jnp.minimum(pos + 1, lengths.astype(jnp.int32)[:, None])
     first = (jnp.zeros_like(pos) if sliding_window is None
              else jnp.maximum(pos - sliding_window + 1, 0))
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+    out = jax.ffi.ffi_call(cpu_kernels.target_name(TARGET, target),
+                           jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k, v, block_tables.astype(jnp.int32), first, last,
         jnp.asarray(layer, jnp.int32))
     return out.astype(q.dtype)

@@ -1,19 +1,27 @@
 """The CPU kernels (XLA FFI custom calls in C++): paged attention (`paged_attention.cc`,
 used through `cpu_attention`) and few-row weight products (`linear.cc`, through
-`cpu_linear`).
+`cpu_linear`), as one library per target CPU.
 
-They are built on first use with the host's C++ compiler (-march=native, 4-6 s) into
-one library, once per source, jaxlib, compiler and CPU, under <cache dir>/kernels/;
-later processes load it from there. Without a compiler, or if the build fails,
-`build_error()` says why and the plan keeps XLA's own ops.
+`cpu_build` builds the library with the host's C++ compiler ($CXX, else c++ or g++) for
+the CPU this runs on (-march=native; $XLR_CPU_TARGET names another -march target) into
+$XLR_KERNEL_DIR (default <cache dir>/kernels); the source picks its vector width from
+the target (16 floats with AVX-512, 8 with AVX2, 4 elsewhere). The build takes 5-10 s
+on two cores and never stalls a caller that does not ask to wait: a process that finds
+no library starts it in the background, at the lowest priority, and uses XLA's ops
+until the library is there. A model load starts it first and waits for it (at most
+`wait_s_for_load()`) only once the model file is parsed, so a first load pays what the
+parsing did not hide and compiles its steps once, for the kernels. A failed build is
+recorded beside the library, so later processes know in milliseconds; `status()` says in
+one line why the kernels are off, and `xlr plan --warmup` builds again what failed.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import importlib.metadata
+import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import threading
@@ -21,64 +29,149 @@ from pathlib import Path
 
 import jax
 
-HERE = Path(__file__).parent
-SOURCES = (HERE / "paged_attention.cc", HERE / "linear.cc")
-HEADERS = (HERE / "cpu_kernels.h",)
+from xlr_jax.ops import cpu_build
+
+log = logging.getLogger(__name__)
+
 # custom-call target -> the symbol its handler is exported as
 TARGETS = {"xlr_paged_attention": "XlrPagedAttention", "xlr_linear": "XlrLinear"}
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+# A model load waits this long for a kernel build under way (a build takes 5-10 s on two
+# cores, started beside the model file's parsing): less than compiling the model's steps
+# for XLA's ops and then again, in the next process, for the kernels.
+LOAD_WAIT_S = 30.0
 
 _lock = threading.Lock()
-_built: dict[str, str | None] = {}  # "error": None once registered in this process
+# target CPU -> None once registered in this process, else (why not, whether that is final)
+_state: dict[str, tuple[str, bool] | None] = {}
+_builders: dict[str, subprocess.Popen] = {}  # target CPU -> the build this process started
 
 
-def build_error() -> str | None:
-    """None once the kernels are built and registered in this process, else why they are
-    not (tried once per process)."""
-    with _lock:
-        if "error" not in _built:
-            _built["error"] = _build_and_register()
-        return _built["error"]
+def default_target() -> str:
+    """The -march target the runtime's kernels are built for: $XLR_CPU_TARGET, else
+    "native"."""
+    return os.environ.get("XLR_CPU_TARGET") or "native"
 
 
-def library_path(compiler: str) -> Path:
-    """Where the kernels built by `compiler` for these sources, jaxlib and CPU lie."""
+def kernel_dir() -> Path:
+    """$XLR_KERNEL_DIR, else <cache dir>/kernels."""
     from xlr_jax.loading.registry import default_cache_dir
-    from xlr_jax.planning.hardware import cpu_features  # -march=native runs only there
 
-    key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in (
-        *(p.read_bytes() for p in SOURCES + HEADERS), importlib.metadata.version("jaxlib"),
-        compiler, " ".join(FLAGS), platform.machine(), cpu_features()))).hexdigest()[:16]
-    return default_cache_dir() / "kernels" / f"xlr_cpu_kernels-{key}.so"
+    return Path(os.environ.get("XLR_KERNEL_DIR") or default_cache_dir() / "kernels")
 
 
-def _build_and_register() -> str | None:
-    if jax.default_backend() != "cpu":
-        return f"the CPU kernels serve the CPU backend (this is {jax.default_backend()})"
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not compiler:
-        return "no C++ compiler found (install g++ or set CXX)"
-    path = library_path(compiler)
-    names = " and ".join(p.name for p in SOURCES)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # concurrent builds: last wins
-        try:
-            run = subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HERE}",
-                                  *map(str, SOURCES), "-o", str(tmp)],
-                                 capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"building {names} with {compiler} failed: {e}"
-        if run.returncode:
-            tmp.unlink(missing_ok=True)
-            lines = [x for x in run.stderr.splitlines() if "error" in x] or [run.stderr[-300:]]
-            return f"building {names} with {compiler} failed: {lines[0].strip()}"
-        os.replace(tmp, path)
+def target_name(name: str, target: str | None = None) -> str:
+    """The custom-call target `name` (a key of TARGETS) is registered as for the library
+    built for `target`: `name` itself for the default target."""
+    target = target or default_target()
+    return name if target == default_target() else f"{name}_{re.sub(r'[^0-9A-Za-z]', '_', target)}"
+
+
+def build_error(target: str | None = None, *, wait_s: float = 0.0,
+                retry: bool = False) -> str | None:
+    """None once the kernels for `target` (default: `default_target()`) are registered in
+    this process, else why they are not. A library on disk is loaded; a recorded failure
+    or a missing compiler is final for the process; with neither, the build starts in the
+    background (or goes on, in whichever process started it), and a later call looks
+    again. `wait_s`: wait that long for a build under way; `retry`: build again what
+    failed before, waiting for it."""
+    target = target or default_target()
+    with _lock:
+        state = _state.get(target, ("", False))
+        if state is None or (state[1] and not retry):
+            return None if state is None else state[0]
+        _state[target] = state = _load(target, float("inf") if retry else wait_s, retry)
+        return None if state is None else state[0]
+
+
+def wait_s_for_load() -> float:
+    """How long a model load waits for a kernel build under way: $XLR_KERNEL_WAIT seconds
+    (default LOAD_WAIT_S; 0: never, XLA's ops until a later load finds the library)."""
+    given = os.environ.get("XLR_KERNEL_WAIT")
     try:
-        library = ctypes.cdll.LoadLibrary(str(path))
-        for target, symbol in TARGETS.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+        return LOAD_WAIT_S if given is None else max(float(given), 0.0)
+    except ValueError:
+        log.warning("XLR_KERNEL_WAIT=%s is not a number of seconds: waiting %s s", given,
+                    LOAD_WAIT_S)
+        return LOAD_WAIT_S
+
+
+def status() -> str | None:
+    """One line saying that the default target's kernels are off and why, or None when
+    they are on (or this is not the CPU backend)."""
+    if jax.default_backend() != "cpu" or (why := build_error()) is None:
+        return None
+    return f"CPU kernels off: {why}; using XLA's ops"
+
+
+def library_build(target: str | None = None) -> cpu_build.Build | str:
+    """The build of the kernels for `target` with this host's compiler, or why there is
+    none."""
+    target = target or default_target()
+    given = os.environ.get("CXX")
+    compiler = shutil.which(given) if given else shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return (f"CXX={given} is not a program (set CXX to a C++ compiler)" if given else
+                "no C++ compiler found (install g++ or set CXX)")
+    compiler = os.path.realpath(compiler)
+    versions = (importlib.metadata.version("jaxlib"), platform.machine())
+    if target == "native":
+        from xlr_jax.planning.hardware import cpu_features  # what -march=native may use
+
+        versions += (cpu_features(),)
+    try:
+        key = cpu_build.key_for(compiler, target, versions)
+    except OSError as e:
+        return f"cannot read the compiler {compiler} ({e.strerror or e})"
+    return cpu_build.Build(compiler, target, (jax.ffi.include_dir(),), str(kernel_dir()), key)
+
+
+def _load(target: str, wait_s: float, retry: bool) -> tuple[str, bool] | None:
+    """Register the library for `target`, building or waiting for it as `build_error`
+    says; else (why not, whether that is final for this process)."""
+    if jax.default_backend() != "cpu":
+        return f"the CPU kernels serve the CPU backend (this is {jax.default_backend()})", True
+    build = library_build(target)
+    if isinstance(build, str):
+        return build, True
+    if build.library.exists() and not retry:
+        if cpu_build.intact(build):
+            why = _register(build)
+            if why is None:
+                return None
+        else:
+            why = f"{build.library} is damaged (not the checksum its build wrote)"
+        log.warning("%s: removing it and building it again", why)
+        try:
+            build.library.unlink()
+        except OSError as e:
+            return f"{why}, and it cannot be removed ({e.strerror or e})", True
+    if wait_s > 0:
+        why = cpu_build.build_library(build, wait_s=wait_s, retry=retry) or _register(build)
+        if why is None:
+            return None
+        return why, not cpu_build.being_built(build)
+    for why in (cpu_build.recorded_failure(build), cpu_build.unwritable(build)):
+        if why is not None:
+            return why, True
+    builder = _builders.get(target)
+    if builder is None and not cpu_build.being_built(build):
+        _builders[target] = cpu_build.start_in_background(build)
+        return f"building in the background (log: {build.log})", False
+    if builder is not None and (builder.poll() is None or cpu_build.being_built(build)):
+        return f"building in the background (log: {build.log})", False
+    if builder is None:
+        return f"being built by another process (lock: {build.lock})", False
+    return (f"the background build ended without a library (exit {builder.returncode}; "
+            f"log: {build.log})"), True
+
+
+def _register(build: cpu_build.Build) -> str | None:
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build.library))
+        for name, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target_name(name, build.target),
+                                        jax.ffi.pycapsule(getattr(library, symbol)),
                                         platform="cpu")
     except (OSError, AttributeError) as e:
-        return f"loading {path} failed: {e}"
+        return f"loading {build.library} failed ({e})"
     return None

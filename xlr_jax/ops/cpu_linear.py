@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from xlr_jax.ops import cpu_kernels
+
 TARGET = "xlr_linear"
 MAX_ROWS = 96  # past this XLA's dot (a blocked matrix product) is as fast or faster
 
@@ -25,10 +27,12 @@ def supports(x, w) -> bool:
             and x.shape[-1] == w.shape[1] and w.shape[1] % 16 == 0)
 
 
-def linear(x, w, out_dtype=None):
-    """x [..., d] @ w.T in `out_dtype` (default x's), by the kernel (f32 accumulation);
-    call `cpu_kernels.build_error()` first (it registers the target)."""
+def linear(x, w, out_dtype=None, target=None):
+    """x [..., d] @ w.T in `out_dtype` (default x's), by the kernel built for `target`
+    (default: the runtime's; f32 accumulation); call `cpu_kernels.build_error(target)`
+    first (it registers the kernel)."""
     rows, d = x.size // x.shape[-1], x.shape[-1]
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32))(
+    out = jax.ffi.ffi_call(cpu_kernels.target_name(TARGET, target),
+                           jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32))(
         x.reshape(rows, d).astype(jnp.float32), w)
     return out.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype or x.dtype)

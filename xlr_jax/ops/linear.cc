@@ -1,36 +1,40 @@
-// A weight product of a few rows on the CPU: out[r, o] = sum_k x[r, k] w[o, k], f32, an
-// XLA FFI custom call.
+// A weight product of a few rows on the CPU: out[r, o] = sum_k x[r, k] w[o, k], f32 (an
+// XLA FFI custom call through ffi_bindings.cc).
 //
 // XLA:CPU's dot of 2-24 rows runs at a fraction of the machine's multiply-add rate and
 // a multiply-and-sum reads the weights at 1.3-1.9x a matrix-vector product's time. This
 // reads each block of 4 weight rows from memory once, while it is in the L1 cache folds
-// it against every row of x, 6 rows at a time (24 accumulators in registers), and spreads
-// blocks of output rows over XLA's intra-op threads. A step of 8 rows then costs about
+// it against every row of x, as many rows at a time as the target's registers hold
+// accumulators for (6 with 32 vector registers, 2 with 16), and spreads blocks of output
+// rows over XLA's intra-op threads. A step of 8 rows then costs about
 // what reading the weights costs.
 //
-// Built with paged_attention.cc by xlr_jax/ops/cpu_kernels.py (the host's C++
-// compiler, -march=native).
+// Built with the other kernels by xlr_jax/ops/cpu_build.py (the host's C++ compiler, for
+// the CPU it runs on unless told otherwise).
 #include <cstdint>
+#include <utility>
 
 #include "cpu_kernels.h"
-
-namespace ffi = xla::ffi;
 
 namespace {
 
 using xlr::hsum;
+using xlr::kLanes;
 using xlr::load;
 using xlr::vf;
 
 constexpr int64_t kTaskRows = 32;  // output rows a task computes: 18+ tasks per layer
-constexpr int kMaxGroup = 6;       // rows of x folded against a weight block at a time
+constexpr int kBlockRows = 4;      // weight rows read together
+// rows of x folded against a weight block at a time: its kBlockRows x kMaxGroup
+// accumulators, the block's rows and one x row in registers (32: 24 + 4 + 1; 16: 8 + 4 + 1)
+constexpr int kMaxGroup = xlr::kRegisters >= 32 ? 6 : 2;
 
 // out[j, i] (row stride n) = x row j . w row i for RX rows of x and RW rows of w (d a
-// multiple of 16).
+// multiple of kLanes).
 template <int RW, int RX>
 void fold_block(const float* x, const float* w, int64_t d, int64_t n, float* out) {
   vf acc[RW][RX] = {};
-  for (int64_t k = 0; k < d; k += 16) {
+  for (int64_t k = 0; k < d; k += kLanes) {
     vf wv[RW];
     for (int i = 0; i < RW; ++i) {
       wv[i] = load(w + i * d + k);
@@ -40,10 +44,7 @@ void fold_block(const float* x, const float* w, int64_t d, int64_t n, float* out
       __builtin_prefetch(w + (i + RW) * d + k);
     }
     for (int j = 0; j < RX; ++j) {
-      vf xv = load(x + j * d + k);
-      // keep the x row in a register: folded into each multiply-add as a memory operand,
-      // it costs a load per multiply-add and the loads become the bound
-      asm("" : "+v"(xv));
+      const vf xv = load(x + j * d + k);
       for (int i = 0; i < RW; ++i) acc[i][j] += wv[i] * xv;
     }
   }
@@ -53,50 +54,38 @@ void fold_block(const float* x, const float* w, int64_t d, int64_t n, float* out
 
 using BlockFn = void (*)(const float*, const float*, int64_t, int64_t, float*);
 
-template <int RW>
-BlockFn block_for(int64_t group) {
-  static constexpr BlockFn table[] = {fold_block<RW, 1>, fold_block<RW, 2>, fold_block<RW, 3>,
-                                      fold_block<RW, 4>, fold_block<RW, 5>, fold_block<RW, 6>};
+template <int RW, int... Gs>
+BlockFn block_for(int64_t group, std::integer_sequence<int, Gs...>) {
+  static constexpr BlockFn table[] = {fold_block<RW, Gs + 1>...};
   return table[group - 1];
 }
 
-ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || xd[1] % 16 != 0)
-    return ffi::Error::InvalidArgument("linear: x [rows, d] and w [out, d] with d a "
-                                       "multiple of 16");
-  const int64_t rows = xd[0], d = xd[1], n = wd[0];
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* op = out->typed_data();
-  // rows in groups of at most kMaxGroup, as even as they go (8 rows: 4 and 4)
+template <int RW>
+BlockFn block_for(int64_t group) {
+  return block_for<RW>(group, std::make_integer_sequence<int, kMaxGroup>{});
+}
+
+}  // namespace
+
+void xlr::linear(Pool& pool, const float* xp, const float* wp, int64_t rows, int64_t d,
+                 int64_t n, float* op) {
+  // rows in groups of at most kMaxGroup, as even as they go (8 rows of 6: 4 and 4)
   const int64_t groups = (rows + kMaxGroup - 1) / kMaxGroup;
   const int64_t tasks = (n + kTaskRows - 1) / kTaskRows;
 
   auto run = [&](int64_t t) {
     const int64_t o1 = std::min(n, (t + 1) * kTaskRows);
     for (int64_t o = t * kTaskRows; o < o1;) {
-      const bool four = o + 4 <= o1;
+      const bool whole = o + kBlockRows <= o1;  // else the task's last rows one by one
       for (int64_t g = 0, r = 0; g < groups; ++g) {
         const int64_t size = (rows - r) / (groups - g);  // the rest, shared evenly
-        const BlockFn fold = four ? block_for<4>(size) : block_for<1>(size);
+        const BlockFn fold = whole ? block_for<kBlockRows>(size) : block_for<1>(size);
         fold(xp + r * d, wp + o * d, d, n, op + r * n + o);
         r += size;
       }
-      o += four ? 4 : 1;
+      o += whole ? kBlockRows : 1;
     }
   };
 
   xlr::run_tasks(pool, tasks, run);
-  return ffi::Error::Success();
 }
-
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlrLinear, Linear,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [rows, d]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [out, d]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // [rows, out]

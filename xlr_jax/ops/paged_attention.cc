@@ -1,4 +1,4 @@
-// Paged attention on the CPU: an XLA FFI custom call.
+// Paged attention on the CPU (an XLA FFI custom call through ffi_bindings.cc).
 //
 // Queries [rows, q_len, heads, dim] (decode: one a row; a prefill chunk or verify rows:
 // several of one sequence), f32 pages, GQA. XLA:CPU runs the pure-JAX walk as many small
@@ -10,14 +10,15 @@
 // A row of few query vectors a KV head (decode, short verify rows) folds each K and V
 // row once for all of them, a dot product and a horizontal sum per vector; with several
 // queries, the slots only some of them see (the causal diagonal, a window's edge) are
-// folded query by query. A row of many (a chunk) goes in tiles of 16 query vectors, one
-// a lane, against 12 slots at a time: every product is a vector multiply-add against one
-// broadcast K or V element, and each lane masks the slots it does not see. Semantics are
+// folded query by query. A row of many (a chunk) goes in tiles of query vectors, one a
+// lane (16 with AVX-512, 8 with AVX2, 4 elsewhere), against 12 slots at a time: every
+// product is a vector multiply-add against one broadcast K or V element, and each lane
+// masks the slots it does not see. Semantics are
 // paged_attention_xla's: the query at row b, index t sees positions [first[b, t],
 // last[b, t]); one that sees nothing gets zeros.
 //
-// Built with linear.cc by xlr_jax/ops/cpu_kernels.py (the host's C++ compiler,
-// -march=native).
+// Built with the other kernels by xlr_jax/ops/cpu_build.py (the host's C++ compiler, for
+// the CPU it runs on unless told otherwise).
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -26,11 +27,10 @@
 
 #include "cpu_kernels.h"
 
-namespace ffi = xla::ffi;
-
 namespace {
 
 using xlr::hsum;
+using xlr::kLanes;
 using xlr::load;
 using xlr::store;
 using xlr::vf;
@@ -39,7 +39,7 @@ using xlr::vi;
 constexpr int64_t kPiecePages = 4;     // pages per task while tasks are few
 constexpr int64_t kMaxPageSize = 256;  // slots a page's scores may hold
 
-// exp(x) for x <= 0 on 16 lanes, 0 below -87 (where f32 exp underflows) and for -inf:
+// exp(x) for x <= 0 on every lane, 0 below -87 (where f32 exp underflows) and for -inf:
 // 2^n p(r) with r = x - n ln2 and p a degree-7 polynomial (about 1 ulp). The compiler
 // vectorizes this; it calls libm's scalar expf for std::exp.
 inline vf exp_nonpositive(vf x) {
@@ -63,16 +63,16 @@ inline vf exp_nonpositive(vf x) {
 template <int G, int D>
 void fold_slots(const float* q, const float* k, const float* v, int64_t slots, float scale,
                 float* peak, float* total, float* acc) {
-  constexpr int kV = D / 16;
+  constexpr int kV = D / kLanes;
   vf qv[G][kV];
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < kV; ++i) qv[g][i] = load(q + g * D + i * 16) * scale;
-  alignas(64) float w[G][kMaxPageSize + 16];
+    for (int i = 0; i < kV; ++i) qv[g][i] = load(q + g * D + i * kLanes) * scale;
+  alignas(64) float w[G][kMaxPageSize + kLanes];
   float m[G];
   for (int g = 0; g < G; ++g) m[g] = peak[g];
   for (int64_t s = 0; s < slots; ++s) {  // scores: the slot's K row once for all G heads
     vf kr[kV];
-    for (int i = 0; i < kV; ++i) kr[i] = load(k + s * D + i * 16);
+    for (int i = 0; i < kV; ++i) kr[i] = load(k + s * D + i * kLanes);
     for (int g = 0; g < G; ++g) {
       vf p = qv[g][0] * kr[0];
       for (int i = 1; i < kV; ++i) p += qv[g][i] * kr[i];
@@ -81,12 +81,12 @@ void fold_slots(const float* q, const float* k, const float* v, int64_t slots, f
       m[g] = std::max(m[g], dot);
     }
   }
-  const int64_t padded = (slots + 15) / 16 * 16;
+  const int64_t padded = (slots + kLanes - 1) / kLanes * kLanes;
   vf a[G][kV];
   for (int g = 0; g < G; ++g) {
     for (int64_t s = slots; s < padded; ++s) w[g][s] = -std::numeric_limits<float>::infinity();
     vf sum = vf{};
-    for (int64_t s = 0; s < padded; s += 16) {
+    for (int64_t s = 0; s < padded; s += kLanes) {
       const vf e = exp_nonpositive(load(w[g] + s) - m[g]);
       store(w[g] + s, e);
       sum += e;
@@ -95,34 +95,62 @@ void fold_slots(const float* q, const float* k, const float* v, int64_t slots, f
     const float rescale = std::isinf(peak[g]) ? 0.f : std::exp(peak[g] - m[g]);
     total[g] = total[g] * rescale + hsum(sum);
     peak[g] = m[g];
-    for (int i = 0; i < kV; ++i) a[g][i] = load(acc + g * D + i * 16) * rescale;
+    for (int i = 0; i < kV; ++i) a[g][i] = load(acc + g * D + i * kLanes) * rescale;
   }
   for (int64_t s = 0; s < slots; ++s) {  // values: the slot's V row once for all G heads
     vf vr[kV];
-    for (int i = 0; i < kV; ++i) vr[i] = load(v + s * D + i * 16);
+    for (int i = 0; i < kV; ++i) vr[i] = load(v + s * D + i * kLanes);
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < kV; ++i) a[g][i] += w[g][s] * vr[i];
   }
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < kV; ++i) store(acc + g * D + i * 16, a[g][i]);
+    for (int i = 0; i < kV; ++i) store(acc + g * D + i * kLanes, a[g][i]);
 }
 
-// A tile: up to 16 query vectors of one KV head (a chunk's or verify rows' queries
-// times their group's heads), one per lane, each with the positions it sees [lo, hi).
-// Lanes hold queries so that scores, the softmax and the values' products are all
-// vector multiply-adds against one K or V element broadcast: no horizontal sums. Its
-// online softmax state: peak and total per lane, and the output transposed, ot[D][16].
-//
-// scores[s] (16 lanes) = qt . K row s for R slots at a time: R accumulators while qt's
-// D vectors stream past them
+// A tile: up to 16 query vectors of one KV head (a chunk's or verify rows' queries times
+// their group's heads), one per lane of kTileVecs vectors (1 with AVX-512, 2 with AVX2, 4
+// elsewhere), each with the positions it sees [lo, hi). Lanes hold queries so that
+// scores, the softmax and the values' products are all vector multiply-adds against one K
+// or V element broadcast: no horizontal sums. A tile reads each K and V row it sees once
+// for all 16 queries, whatever the vector width (tiles of 8 on AVX2 read K and V twice as
+// often: chunks ran 1.1-2.8x the walk's time). Its online softmax state: peak and total
+// per lane, and the output transposed, ot[D][kTile].
+constexpr int kTile = 16;
+constexpr int kTileVecs = kTile / kLanes;
+struct TileF {
+  vf v[kTileVecs];
+};
+struct TileI {
+  vi v[kTileVecs];
+};
+
+// The most accumulators of kTileVecs vectors that fit the registers beside one such row
+// and a broadcast element, at most `cap`.
+constexpr int tile_fit(int cap) {
+  const int n = (xlr::kRegisters - kTileVecs - 1) / kTileVecs;
+  return n < cap ? n : cap;
+}
+constexpr int floor_pow2(int n) { return n < 2 ? 1 : 2 * floor_pow2(n / 2); }
+
+constexpr int kTileSlots = tile_fit(12);  // slots a scores pass takes (AVX-512 12, AVX2 6)
+// dims of the output a values pass takes (a power of two: it divides every head dim)
+constexpr int kTileDims = floor_pow2(tile_fit(16));
+
+// scores[s] (a lane each) = qt . K row s for R slots at a time: R accumulator rows while
+// qt's D rows stream past them
 template <int D, int R>
 void tile_scores(const float* qt, const float* k, float* scores) {
-  vf acc[R] = {};
+  vf acc[R][kTileVecs] = {};
   for (int d = 0; d < D; ++d) {
-    const vf qv = load(qt + d * 16);
-    for (int i = 0; i < R; ++i) acc[i] += qv * k[i * D + d];
+    vf qv[kTileVecs];
+    for (int j = 0; j < kTileVecs; ++j) qv[j] = load(qt + d * kTile + j * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const float kd = k[i * D + d];
+      for (int j = 0; j < kTileVecs; ++j) acc[i][j] += qv[j] * kd;
+    }
   }
-  for (int i = 0; i < R; ++i) store(scores + i * 16, acc[i]);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < kTileVecs; ++j) store(scores + i * kTile + j * kLanes, acc[i][j]);
 }
 
 template <int D, int... Rs>
@@ -133,7 +161,6 @@ void tile_scores_tail(const float* qt, const float* k, float* scores, int64_t n,
   table[n - 1](qt, k, scores);
 }
 
-constexpr int kTileSlots = 12;  // slots a scores pass takes (12 accumulators)
 // A row's query vectors a KV head from which tiles pay: at 12 and more a tile took
 // 0.51-0.83x the time of blocks of whole queries folding each slot with a horizontal sum
 // per query vector; at 6 (2 queries of 3 heads) 1.65x.
@@ -144,50 +171,62 @@ constexpr int64_t kTileVectors = 12;
 // Every lane sees positions [all_lo, all_hi): slots inside it skip the mask.
 template <int D>
 void fold_tile(const float* qt, const float* k, const float* v, int64_t slots, int64_t pos0,
-               vi lo, vi hi, int64_t all_lo, int64_t all_hi, vf& peak, vf& total, float* ot) {
-  alignas(64) float w[kMaxPageSize * 16];
+               const TileI& lo, const TileI& hi, int64_t all_lo, int64_t all_hi, TileF& peak,
+               TileF& total, float* ot) {
+  alignas(64) float w[kMaxPageSize * kTile];
   int64_t s = 0;
   for (; s + kTileSlots <= slots; s += kTileSlots)
-    tile_scores<D, kTileSlots>(qt, k + s * D, w + s * 16);
+    tile_scores<D, kTileSlots>(qt, k + s * D, w + s * kTile);
   if (s < slots)
-    tile_scores_tail<D>(qt, k + s * D, w + s * 16, slots - s,
+    tile_scores_tail<D>(qt, k + s * D, w + s * kTile, slots - s,
                         std::make_integer_sequence<int, kTileSlots - 1>{});
   const vf none = vf{} - std::numeric_limits<float>::infinity();
-  vf m = peak;
   const bool masked = pos0 < all_lo || pos0 + slots > all_hi;
-  for (s = 0; s < slots; ++s) {  // a lane's slots outside its range count for nothing
-    vf x = load(w + s * 16);
-    if (masked) {
-      const vi pos = vi{} + static_cast<int32_t>(pos0 + s);
-      x = (pos >= lo) & (pos < hi) ? x : none;
-      store(w + s * 16, x);
+  vf rescale[kTileVecs];
+  for (int j = 0; j < kTileVecs; ++j) {
+    float* wj = w + j * kLanes;
+    vf m = peak.v[j];
+    for (s = 0; s < slots; ++s) {  // a lane's slots outside its range count for nothing
+      vf x = load(wj + s * kTile);
+      if (masked) {
+        const vi pos = vi{} + static_cast<int32_t>(pos0 + s);
+        x = (pos >= lo.v[j]) & (pos < hi.v[j]) ? x : none;
+        store(wj + s * kTile, x);
+      }
+      m = m > x ? m : x;
     }
-    m = m > x ? m : x;
-  }
-  // a lane that has seen nothing yet keeps a base of 0: its exps are then exp(-inf) = 0
-  const vf base = m == none ? vf{} : m;
-  const vf rescale = exp_nonpositive(peak - base);
-  vf sum = vf{};
-  for (s = 0; s < slots; ++s) {
-    const vf e = exp_nonpositive(load(w + s * 16) - base);
-    store(w + s * 16, e);
-    sum += e;
-  }
-  total = total * rescale + sum;
-  peak = m;
-  for (int d0 = 0; d0 < D; d0 += 16) {  // ot[d] += sum_s w[s] V[s, d], 16 dims at a time
-    vf acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = load(ot + (d0 + i) * 16) * rescale;
+    // a lane that has seen nothing yet keeps a base of 0: its exps are then exp(-inf) = 0
+    const vf base = m == none ? vf{} : m;
+    rescale[j] = exp_nonpositive(peak.v[j] - base);
+    vf sum = vf{};
     for (s = 0; s < slots; ++s) {
-      const vf ws = load(w + s * 16);
-      for (int i = 0; i < 16; ++i) acc[i] += ws * v[s * D + d0 + i];
+      const vf e = exp_nonpositive(load(wj + s * kTile) - base);
+      store(wj + s * kTile, e);
+      sum += e;
     }
-    for (int i = 0; i < 16; ++i) store(ot + (d0 + i) * 16, acc[i]);
+    total.v[j] = total.v[j] * rescale[j] + sum;
+    peak.v[j] = m;
+  }
+  for (int d0 = 0; d0 < D; d0 += kTileDims) {  // ot[d] += sum_s w[s] V[s, d]
+    vf acc[kTileDims][kTileVecs];
+    for (int i = 0; i < kTileDims; ++i)
+      for (int j = 0; j < kTileVecs; ++j)
+        acc[i][j] = load(ot + (d0 + i) * kTile + j * kLanes) * rescale[j];
+    for (s = 0; s < slots; ++s) {
+      vf ws[kTileVecs];
+      for (int j = 0; j < kTileVecs; ++j) ws[j] = load(w + s * kTile + j * kLanes);
+      for (int i = 0; i < kTileDims; ++i) {
+        const float vd = v[s * D + d0 + i];
+        for (int j = 0; j < kTileVecs; ++j) acc[i][j] += ws[j] * vd;
+      }
+    }
+    for (int i = 0; i < kTileDims; ++i)
+      for (int j = 0; j < kTileVecs; ++j) store(ot + (d0 + i) * kTile + j * kLanes, acc[i][j]);
   }
 }
 
-using TileFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, vi, vi,
-                        int64_t, int64_t, vf&, vf&, float*);
+using TileFn = void (*)(const float*, const float*, const float*, int64_t, int64_t,
+                        const TileI&, const TileI&, int64_t, int64_t, TileF&, TileF&, float*);
 
 TileFn tile_for(int64_t dim) {
   switch (dim) {
@@ -203,24 +242,19 @@ using FoldFn = void (*)(const float*, const float*, const float*, int64_t, float
                         float*, float*);
 
 // query vectors folded together: a KV head's group (1-8 query heads) times the queries
-// of a block
-constexpr int64_t kFoldSizes[] = {1, 2, 3, 4, 5, 6, 7, 8, 12, 16};
+// of a block. A block has fewer than kTileVectors (past that, tiles take the row), so 8
+// at most.
+constexpr int kMaxFold = 8;
+
+template <int D, int... Ns>
+FoldFn fold_for_size(int64_t n, std::integer_sequence<int, Ns...>) {
+  static constexpr FoldFn table[] = {fold_slots<Ns + 1, D>...};
+  return n >= 1 && n <= kMaxFold ? table[n - 1] : nullptr;
+}
 
 template <int D>
 FoldFn fold_for_size(int64_t n) {
-  switch (n) {
-    case 1: return fold_slots<1, D>;
-    case 2: return fold_slots<2, D>;
-    case 3: return fold_slots<3, D>;
-    case 4: return fold_slots<4, D>;
-    case 5: return fold_slots<5, D>;
-    case 6: return fold_slots<6, D>;
-    case 7: return fold_slots<7, D>;
-    case 8: return fold_slots<8, D>;
-    case 12: return fold_slots<12, D>;
-    case 16: return fold_slots<16, D>;
-    default: return nullptr;
-  }
+  return fold_for_size<D>(n, std::make_integer_sequence<int, kMaxFold>{});
 }
 
 FoldFn fold_for(int64_t n, int64_t dim) {
@@ -233,28 +267,18 @@ FoldFn fold_for(int64_t n, int64_t dim) {
   }
 }
 
-// queries a block folds together: the most, up to q_len, whose query heads make a
-// fold size (16 query vectors at most: their scores and sums stay in the L1 cache)
+// queries a block folds together: the most, up to q_len, whose query heads make a fold
+// size
 int64_t block_queries(int64_t group, int64_t q_len) {
-  int64_t best = 1;
-  for (int64_t n : kFoldSizes)
-    if (n % group == 0 && n / group <= q_len) best = std::max(best, n / group);
-  return best;
+  return std::max<int64_t>(std::min<int64_t>(kMaxFold / group, q_len), 1);
 }
 
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                          ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
-                          ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> first,
-                          ffi::Buffer<ffi::S32> last, ffi::Buffer<ffi::S32> layer,
-                          ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions();        // [rows, q_len, heads, dim]
-  const auto kd = k_pages.dimensions();  // [layers, pages, kv heads, page size, dim]
-  if (qd.size() != 4 || kd.size() != 5 || tables.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("paged attention: q [rows, q_len, heads, dim] and "
-                                       "pages [layers, pages, kv heads, page size, dim]");
-  const int64_t rows = qd[0], q_len = qd[1], heads = qd[2], dim = qd[3];
-  const int64_t layers = kd[0], num_pages = kd[1], kv_heads = kd[2], page_size = kd[3];
-  const int64_t width = tables.dimensions()[1];
+}  // namespace
+
+const char* xlr::paged_attention(Pool& pool, const Attention& a) {
+  const int64_t rows = a.rows, q_len = a.q_len, heads = a.heads, dim = a.dim;
+  const int64_t num_pages = a.pages, kv_heads = a.kv_heads, page_size = a.page_size;
+  const int64_t width = a.width;
   const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
   const int64_t per_row = q_len * group;  // a row's query vectors per KV head
   const bool tiled = per_row >= kTileVectors;  // never decode: a group is at most 8
@@ -262,31 +286,25 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const FoldFn fold_row = group * kv_heads == heads ? fold_for(group, dim) : nullptr;
   const FoldFn fold_block = fold_row ? fold_for(block * group, dim) : nullptr;
   const TileFn fold_tiles = fold_row ? tile_for(dim) : nullptr;
-  if ((tiled ? fold_tiles == nullptr : fold_block == nullptr) || kd[4] != dim ||
-      page_size > kMaxPageSize)
-    return ffi::Error::InvalidArgument("paged attention: unsupported shape (head dim 32, "
-                                       "64, 128 or 256, at most 8 query heads per KV head, "
-                                       "pages of at most 256 slots)");
-  const int64_t lyr = std::clamp<int64_t>(layer.typed_data()[0], 0, layers - 1);
-  const int64_t layer_floats = num_pages * kv_heads * page_size * dim;
-  const float* kp = k_pages.typed_data() + lyr * layer_floats;
-  const float* vp = v_pages.typed_data() + lyr * layer_floats;
-  const float* qp = q.typed_data();
-  const int32_t* tp = tables.typed_data();
+  if ((tiled ? fold_tiles == nullptr : fold_block == nullptr) || page_size > kMaxPageSize)
+    return "paged attention: unsupported shape (head dim 32, 64, 128 or 256, at most 8 query "
+           "heads per KV head, pages of at most 256 slots)";
+  const float *kp = a.k, *vp = a.v, *qp = a.q;
+  const int32_t* tp = a.tables;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
 
   // each query's positions seen [lo, hi), inside its row's block table (empty: none)
   const int64_t queries = rows * q_len;
   std::vector<int64_t> lo(queries), hi(queries);
   for (int64_t i = 0; i < queries; ++i) {
-    hi[i] = std::min<int64_t>(std::max(last.typed_data()[i], 0), width * page_size);
-    lo[i] = std::clamp<int64_t>(first.typed_data()[i], 0, hi[i]);
+    hi[i] = std::min<int64_t>(std::max(a.last[i], 0), width * page_size);
+    lo[i] = std::clamp<int64_t>(a.first[i], 0, hi[i]);
   }
   // A block: `folded` consecutive query vectors of a row and KV head, in [query][group
-  // head] order: a tile of 16, or `block` whole queries. Each (block, KV head) walks the
+  // head] order: a tile of kTile, or `block` whole queries. Each (block, KV head) walks the
   // union of its queries' ranges in pieces: of kPiecePages pages while there are few
   // blocks, so that every thread has work, else whole.
-  const int64_t folded = tiled ? 16 : block * group;
+  const int64_t folded = tiled ? kTile : block * group;
   const int64_t blocks_per_row = (per_row + folded - 1) / folded, blocks = rows * blocks_per_row;
   const int64_t piece_pages = blocks * kv_heads >= 16 ? width : kPiecePages;
   std::vector<int64_t> seen_lo(blocks), seen_hi(blocks), pieces(blocks), block_task(blocks + 1);
@@ -324,27 +342,30 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
   auto run_tile = [&](int64_t k, int64_t b, int64_t h, int64_t piece, float* part) {
     const int64_t v0 = (k % blocks_per_row) * folded, n = std::min(folded, per_row - v0);
-    alignas(64) float qt[256 * 16], ot[256 * 16];
+    alignas(64) float qt[256 * kTile], ot[256 * kTile];
     // a short tile's spare lanes repeat its last vector (folded, never merged)
-    vi tile_lo, tile_hi;
+    TileI tile_lo, tile_hi;
     int64_t all_lo = 0, all_hi = width * page_size;
-    for (int64_t l = 0; l < 16; ++l) {
+    for (int64_t l = 0; l < kTile; ++l) {
       const int64_t v = v0 + std::min(l, n - 1), i = b * q_len + v / group;
       const float* qv = qp + (i * heads + h * group + v % group) * dim;
-      for (int64_t d = 0; d < dim; ++d) qt[d * 16 + l] = qv[d] * scale;
-      tile_lo[l] = static_cast<int32_t>(lo[i]), tile_hi[l] = static_cast<int32_t>(hi[i]);
+      for (int64_t d = 0; d < dim; ++d) qt[d * kTile + l] = qv[d] * scale;
+      tile_lo.v[l / kLanes][l % kLanes] = static_cast<int32_t>(lo[i]);
+      tile_hi.v[l / kLanes][l % kLanes] = static_cast<int32_t>(hi[i]);
       all_lo = std::max(all_lo, lo[i]), all_hi = std::min(all_hi, hi[i]);
     }
-    std::fill(ot, ot + dim * 16, 0.f);
-    vf peak = vf{} - std::numeric_limits<float>::infinity(), total = vf{};
+    std::fill(ot, ot + dim * kTile, 0.f);
+    TileF peak, total;
+    for (int j = 0; j < kTileVecs; ++j)
+      peak.v[j] = vf{} - std::numeric_limits<float>::infinity(), total.v[j] = vf{};
     walk(k, b, h, piece, seen_lo[k], seen_hi[k],
          [&](const float* kr, const float* vr, int64_t count, int64_t pos) {
            fold_tiles(qt, kr, vr, count, pos, tile_lo, tile_hi, all_lo, all_hi, peak, total,
                       ot);
          });
-    for (int64_t l = 0; l < 16; ++l) {
-      part[l] = peak[l], part[folded + l] = total[l];
-      for (int64_t d = 0; d < dim; ++d) part[2 * folded + l * dim + d] = ot[d * 16 + l];
+    for (int64_t l = 0; l < kTile; ++l) {
+      part[l] = peak.v[l / kLanes][l % kLanes], part[folded + l] = total.v[l / kLanes][l % kLanes];
+      for (int64_t d = 0; d < dim; ++d) part[2 * folded + l * dim + d] = ot[d * kTile + l];
     }
   };
 
@@ -396,7 +417,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   });
 
   // each query vector: its block's pieces' softmaxes merged
-  float* op = out->typed_data();
+  float* op = a.out;
   for (int64_t i = 0; i < queries; ++i) {
     const int64_t b = i / q_len;
     for (int64_t hq = 0; hq < heads; ++hq) {
@@ -413,25 +434,11 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
         const float* pk = part + x * stride;
         const float w = std::exp(pk[j] - m);
         sum += pk[folded + j] * w;
-        const float* a = pk + 2 * folded + j * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] += w * a[d];
+        const float* acc = pk + 2 * folded + j * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] += w * acc[d];
       }
       for (int64_t d = 0; d < dim; ++d) o[d] /= sum;
     }
   }
-  return ffi::Error::Success();
+  return nullptr;
 }
-
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlrPagedAttention, PagedAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [rows, q_len, heads, dim]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k pages
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v pages
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // block tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // each query's first position seen
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // one past the last
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
-                                  .Ret<ffi::Buffer<ffi::F32>>());
