@@ -3,6 +3,8 @@ compile-once-per-bucket rule."""
 import dataclasses
 import json
 import math
+import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +24,7 @@ from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.sampling import SamplingParams
 from xlr_jax.planning.hardware import (KNOWN_GPUS, HardwareProfile, gpu_memory, gpu_spec,
                                        jax_preallocates, peaks, preset, simd_bits)
-from xlr_jax.ops import cpu_kernels, cpu_linear
+from xlr_jax.ops import cpu_kernels
 from xlr_jax.planning.mapper import (ExecutionPlan, first_chunk, particle_pages,
                                      particles_for, pick_bucket)
 from xlr_jax.planning.roofline import PRESETS, estimate, weight_bytes_read
@@ -152,14 +154,17 @@ def test_plans_fit_and_pick_backend_choices(smollm2, name):
         # and the CPU's few-row kernel before them, where it builds (f32 weights)
         kernel = not gpu and cpu_kernels.build_error() is None
         assert p.linear_impl == ("cpu" if kernel else "xla")
-        assert p.buckets.kernel_rows == (cpu_linear.MAX_ROWS if kernel else 0)
+        # as many rows as the kernel's vectors make it pay for: 48 with AVX-512, else 8
+        lanes = cpu_kernels.vector_lanes()
+        assert p.kernel_rows == p.buckets.kernel_rows == (
+            (48 if lanes == 16 else 8) if kernel else 0)
         assert p.kv_dtype == p.compute_dtype
         assert set(p.reasons) >= {"compute_dtype", "page_size", "num_pages", "attn_impl",
                                   "reduce_rows", "linear_impl"}
         assert ExecutionPlan.from_json(p.to_json()) == p
         assert json.loads(p.to_json())["reasons"] == p.reasons
         older = {k: v for k, v in json.loads(p.to_json()).items()
-                 if k not in ("reduce_rows", "linear_impl")}
+                 if k not in ("reduce_rows", "linear_impl", "kernel_rows")}
         older = ExecutionPlan.from_json(json.dumps(older))
         assert older.reduce_rows == 0 and older.buckets.kernel_rows == 0  # every one a dot
         if not gpu:  # off by choice, and bf16 weights the kernel does not take
@@ -167,6 +172,28 @@ def test_plans_fit_and_pick_backend_choices(smollm2, name):
             assert plan(hw, config, dtype="bfloat16").linear_impl == "xla"
         with pytest.raises(PlanError, match="linear_impl"):
             plan(hw, config, linear_impl="gemm")
+
+
+@pytest.mark.parametrize("target, rows", [("x86-64-v3", 8), ("x86-64", 8)])
+def test_kernel_rows_follow_the_vectors_the_kernels_were_built_with(smollm2, target, rows):
+    """Built for AVX2 or SSE2 (XLR_CPU_TARGET), the plan gives the few-row kernel 2-8 rows
+    and says so, whatever this CPU has (the native width is checked above)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 targets")
+    # built in the shared kernels directory, where the child finds it
+    assert cpu_kernels.build_error(target, wait_s=math.inf) is None
+    code = ("import json, math; from xlr_jax.ops import cpu_kernels;"
+            "from xlr_jax import plan, probe; from xlr_jax.loading.registry import resolve_model;"
+            "from xlr_jax.loading.weights import read_config;"
+            "assert cpu_kernels.build_error(wait_s=math.inf) is None;"
+            "p = plan(probe(), read_config(resolve_model('smollm2')));"
+            "print(json.dumps([cpu_kernels.vector_lanes(), p.kernel_rows, p.reasons['linear_impl']]))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "XLR_CPU_TARGET": target}, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lanes, kernel_rows, why = json.loads(run.stdout.splitlines()[-1])
+    assert (lanes, kernel_rows) == ({"x86-64-v3": 8, "x86-64": 4}[target], rows)
+    assert f"2 to {rows} rows by the few-row kernel" in why and "9-16 rows multiply-sums" in why
 
 
 def test_bigger_gpus_get_more_pages():

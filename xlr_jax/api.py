@@ -138,7 +138,7 @@ def _steps_fingerprint(config, execution: ExecutionPlan, params) -> str:
     e = execution
     return fingerprint([config.to_json(), e.compute_dtype, e.kv_dtype, e.page_size,
                         e.num_pages, e.buckets.table_width, e.attn_block_pages, e.attn_impl,
-                        e.reduce_rows, e.linear_impl,
+                        e.reduce_rows, e.linear_impl, e.kernel_rows,
                         sorted(e.compiler_options.items())], params)
 
 

@@ -185,6 +185,7 @@ def environment(uses_torch: bool) -> dict:
     env.update(python=platform.python_version(), platform=platform.platform(),
                cpu_model=cpu_name(), cpu_count=os.cpu_count(), cpu_flags=cpu_features(),
                cpu_kernels=_cpu_kernels_state(),
+               xla_flags=os.environ.get("XLA_FLAGS", ""),  # e.g. an ISA cap (--xla_cpu_max_isa)
                jax_backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind,
                device_count=jax.device_count())
     return env

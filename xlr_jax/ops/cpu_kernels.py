@@ -44,6 +44,7 @@ _lock = threading.Lock()
 # target CPU -> None once registered in this process, else (why not, whether that is final)
 _state: dict[str, tuple[str, bool] | None] = {}
 _builders: dict[str, subprocess.Popen] = {}  # target CPU -> the build this process started
+_libraries: dict[str, ctypes.CDLL] = {}  # target CPU -> its registered library
 
 
 def default_target() -> str:
@@ -165,6 +166,13 @@ def _load(target: str, wait_s: float, retry: bool) -> tuple[str, bool] | None:
             f"log: {build.log})"), True
 
 
+def vector_lanes(target: str | None = None) -> int | None:
+    """The floats a vector of `target`'s registered kernels holds (16 with AVX-512, 8 with
+    AVX2, 4 otherwise), or None before they are registered."""
+    library = _libraries.get(target or default_target())
+    return None if library is None else library.XlrVectorLanes()
+
+
 def _register(build: cpu_build.Build) -> str | None:
     try:
         library = ctypes.cdll.LoadLibrary(str(build.library))
@@ -174,4 +182,5 @@ def _register(build: cpu_build.Build) -> str | None:
                                         platform="cpu")
     except (OSError, AttributeError) as e:
         return f"loading {build.library} failed ({e})"
+    _libraries[build.target] = library
     return None

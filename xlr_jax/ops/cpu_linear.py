@@ -19,6 +19,19 @@ TARGET = "xlr_linear"
 MAX_ROWS = 96  # past this XLA's dot (a blocked matrix product) is as fast or faster
 
 
+def rows_it_pays(lanes: int) -> int:
+    """The most rows the kernel built with `lanes`-float vectors is worth taking for, the
+    multiply-sum (to 16 rows) or XLA's dot taking the rest: 48 with AVX-512 (its 32
+    registers hold 24 accumulators), 8 otherwise (16 registers, 8 accumulators).
+    Measured by experiments/few_row_products.py on 2-core AMD EPYCs: with AVX-512 the
+    kernel beat or matched XLA's best to 48 rows on both days, and past that won by
+    5-7% one day (2026-12-03) and lost by 4-22% the other (2026-12-04); with AVX2 it read
+    2-8 rows 0.64-0.99x the multiply-sum's time and 16 rows 1.4-1.6x (2026-12-04, once on
+    an AVX2 EPYC and once as an x86-64-v3 build beside XLA capped at AVX2). 4-lane
+    targets are unmeasured and keep the AVX2 rule."""
+    return 48 if lanes >= 16 else 8
+
+
 def supports(x, w) -> bool:
     """Whether the kernel takes x [..., d] @ w.T: 2 to MAX_ROWS rows, f32 weights, d a
     multiple of 16."""

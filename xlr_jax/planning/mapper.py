@@ -97,6 +97,7 @@ class ExecutionPlan:
     reduce_rows: int               # a step's products of 2..this many rows: multiply-sum
     attn_impl: str
     linear_impl: str               # "cpu": few-row products by the CPU kernel; "xla"
+    kernel_rows: int               # linear_impl "cpu": the kernel takes 2..this many rows
     speculative: SpeculativePolicy
     memory: MemoryBudget
     # XLA options every step is compiled with (jax.jit's compiler_options)
@@ -106,8 +107,7 @@ class ExecutionPlan:
     @property
     def buckets(self) -> Buckets:
         return Buckets(self.batch_buckets, self.chunk_buckets, self.page_buckets,
-                       self.attn_block_pages, self.reduce_rows,
-                       cpu_linear.MAX_ROWS if self.linear_impl == "cpu" else 0)
+                       self.attn_block_pages, self.reduce_rows, self.kernel_rows)
 
     def particles_for(self, free_pages: int, context_len: int, gamma: int | None = None) -> int:
         return particles_for(free_pages, context_len,
@@ -136,6 +136,7 @@ class ExecutionPlan:
         raw.setdefault("attn_block_pages", ATTN_BLOCK_PAGES)
         raw.setdefault("reduce_rows", 0)  # older plans: every product a dot
         raw.setdefault("linear_impl", "xla")
+        raw.setdefault("kernel_rows", cpu_linear.MAX_ROWS if raw["linear_impl"] == "cpu" else 0)
         return cls(**raw)
 
 
@@ -267,14 +268,24 @@ def _cpu_impl(config: ModelConfig, kv_dtype: str, page_size: int) -> tuple[str, 
     return "xla", f"CPU: the XLA walk (the attention kernel is off: {why})"
 
 
+def _kernel_rows() -> int:
+    """The most rows the CPU's few-row kernel takes, as built for this CPU (see
+    cpu_linear.rows_it_pays)."""
+    return cpu_linear.rows_it_pays(cpu_kernels.vector_lanes() or 0)
+
+
 def _cpu_linear(compute: str) -> tuple[str, str]:
     """The CPU's few-row weight products: its kernel where it builds and the weights are
     f32, else XLA's multiply-sums; and why."""
     why = (f"{compute} weights" if compute != "float32" else cpu_kernels.build_error())
     if why is None:
-        return "cpu", (f"CPU: a step's weight products of 2 to {cpu_linear.MAX_ROWS} rows by "
-                       "the few-row kernel (an XLA custom call, experiments/"
-                       "few_row_products.py), one row and larger chunks by XLA's dot")
+        rows = _kernel_rows()
+        rest = (f"{rows + 1}-{REDUCE_ROWS} rows multiply-sums, more XLA's dot"
+                if rows < REDUCE_ROWS else "larger chunks by XLA's dot")
+        return "cpu", (f"CPU: a step's weight products of 2 to {rows} rows by the few-row "
+                       f"kernel (an XLA custom call; {cpu_kernels.vector_lanes()}-float "
+                       "vectors: see cpu_linear.rows_it_pays, experiments/"
+                       f"few_row_products.py), one row by XLA's matrix-vector product, {rest}")
     return "xla", f"CPU: XLA's products (the few-row kernel is off: {why})"
 
 
@@ -449,7 +460,7 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         max_pinned_share=MAX_PINNED_SHARE, batch_buckets=buckets.batch,
         chunk_buckets=buckets.chunk, page_buckets=buckets.pages,
         attn_block_pages=buckets.attn_block, reduce_rows=buckets.reduce_rows, attn_impl=impl,
-        linear_impl=linear,
+        linear_impl=linear, kernel_rows=_kernel_rows() if linear == "cpu" else 0,
         speculative=spec, memory=memory,
         compiler_options=xla, reasons=why)
 
