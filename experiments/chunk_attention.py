@@ -27,7 +27,7 @@ def step_figures(model, s: dict) -> dict:
     """Each shape's step by the plan's attention and by the XLA walk, side by side."""
     from xlr_jax.model.steps import Steps
 
-    kernel = model.engine.steps
+    kernel = model.engine.runner.steps
     walk = Steps(model.engine.config, kernel.buckets, "xla", kernel.compiler_options)
     figures = {}
     for position in s["positions"]:

@@ -55,7 +55,7 @@ def attention_fns(model, position: int):
     from xlr_jax.ops import cpu_kernels, paged_attention
 
     engine, c = model.engine, model.engine.config
-    kv, buckets = engine.kv, engine.steps.buckets
+    kv, buckets = engine.runner.kv, engine.runner.steps.buckets
     seen = -(-(position + 1) // kv.page_size)
     table = jnp.asarray((np.arange(buckets.table_width) % (kv.k.shape[1] - 1) + 1)[None],
                         jnp.int32)
@@ -94,7 +94,7 @@ def overlap(model, position: int, rounds: int) -> dict:
 
     from xlr_jax.ops.paged_attention import gather_pages
 
-    c, kv = model.engine.config, model.engine.kv
+    c, kv = model.engine.config, model.engine.runner.kv
     seen = -(-(position + 1) // kv.page_size)
     w = jax.random.normal(jax.random.key(1), (c.num_layers, c.hidden_size,
                                               c.intermediate_size), jnp.float32)
@@ -137,10 +137,8 @@ def main(argv=None) -> dict:
     figures = {}
     for position in s["positions"]:
         fns, fn_args = attention_fns(model, position)
-        state = {"kv": model.engine.kv}  # each step donates it and returns the next
-        step = step_runner(model, model.engine.steps, 1, 0, position, state)
+        step = step_runner(model, model.engine.runner.steps, 1, 0, position)
         t = timed({**calls(fns, fn_args), "step": step}, s["rounds"])
-        model.engine.kv = state["kv"]
         del fns, fn_args  # the KV copies
         kv_bytes = runner.kv_bytes_per_position * (position + 1)
         at_bandwidth = kv_bytes / (gb_s * 1e9)
@@ -160,7 +158,7 @@ def main(argv=None) -> dict:
     result = {"settings": s, "bandwidth": bandwidth,
               "weight_bytes_per_token": runner.weight_bytes_per_token,
               "kv_bytes_per_position": runner.kv_bytes_per_position,
-              "attn_block_pages": model.engine.steps.buckets.attn_block, "attn_impl": impl,
+              "attn_block_pages": model.engine.buckets.attn_block, "attn_impl": impl,
               "positions": figures, "overlap": overlap(model, s["positions"][1], s["rounds"])}
     model.shutdown()
     path = write_result(args.out, "decode_attention_floor", result, quick=args.quick)

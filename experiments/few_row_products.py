@@ -61,7 +61,7 @@ def product_figures(model, s: dict) -> dict:
     from xlr_jax.model.decoder import RowProducts
     from xlr_jax.ops import cpu_linear
 
-    params = model.engine.params
+    params = model.engine.runner.params
     paths = {"dot": RowProducts(), "kernel": RowProducts(0, cpu_linear.MAX_ROWS)}
     rng = np.random.default_rng(0)
     times = {}
@@ -94,7 +94,7 @@ def step_figures(model, s: dict) -> dict:
     """`steps` (see the module's doc): the plan's steps beside steps with XLA's products."""
     from xlr_jax.model.steps import Steps
 
-    plan_steps = model.engine.steps
+    plan_steps = model.engine.runner.steps
     xla_steps = Steps(model.engine.config, dataclasses.replace(plan_steps.buckets, kernel_rows=0),
                       plan_steps.attn_impl, plan_steps.compiler_options)
     times = time_steps(model, {"kernel": plan_steps, "xla": xla_steps}, s["steps"],
@@ -114,7 +114,7 @@ def main(argv=None) -> dict:
     model = experiment_model(args, kernel="linear_impl")
     bandwidth = measure_bandwidth("read", 1.0, s["bandwidth_runs"])
     gb_s = bandwidth["read_bandwidth_gb_per_s"]
-    weight_bytes = product_bytes(model.engine.params)
+    weight_bytes = product_bytes(model.engine.runner.params)
     products, steps = product_figures(model, s), step_figures(model, s)
     result = {"settings": s, "bandwidth": bandwidth, "weight_bytes": weight_bytes,
               "weights_at_bandwidth_s": weight_bytes / (gb_s * 1e9), "products": products,

@@ -106,28 +106,28 @@ def main(argv=None) -> dict:
     from xlr_jax.bench.run import write_result
 
     model = experiment_model(args)
-    default = model.engine.max_step_tokens
+    default = model.plan.max_step_tokens
     passage = tomllib.loads(PASSAGE.read_text())["prompt"]["passage"]
     prompts = text_prompts(model, passage, [s["stream_prompt"]] * s["streams"]
                            + [s["newcomer_prompt"]] * s["newcomers"], s["seed"])
     streams, newcomers = prompts[:s["streams"]], prompts[s["streams"]:]
     warm = dict(s, newcomers=1, gap_s=0.0)
     for budget in s["budgets"]:  # compiles every shape the runs take (chunk sizes differ)
-        model.engine.max_step_tokens = budget
+        model.engine.scheduler.set_budget(budget)
         run_load(model, streams, newcomers[:1], warm)
     decode_gaps(model, streams[:1], s["unloaded_tokens"])  # one row's shapes, if not yet
     unloaded = decode_gaps(model, streams[:1], s["unloaded_tokens"])["p50_s"]
     runs = {b: [] for b in s["budgets"]}
     for r in range(s["rounds"]):
         for budget in s["budgets"] if r % 2 == 0 else reversed(s["budgets"]):
-            model.engine.max_step_tokens = budget
+            model.engine.scheduler.set_budget(budget)
             runs[budget].append(figures(run_load(model, streams, newcomers, s), unloaded))
             print(f"round {r + 1} budget {budget}: ITL p99 "
                   f"{runs[budget][-1]['itl_p99_s'] * 1e3:.0f} ms, TTFT p50 "
                   f"{runs[budget][-1]['ttft_p50_s']:.2f} s", flush=True)
     unloaded_after = decode_gaps(model, streams[:1], s["unloaded_tokens"])["p50_s"]
     batch = decode_gaps(model, streams, s["unloaded_tokens"])
-    model.engine.max_step_tokens = default
+    model.engine.scheduler.set_budget(default)
     budgets = {str(b): medians(runs[b]) for b in s["budgets"]}
     at_default = budgets.get(str(default))
     plan = model.plan

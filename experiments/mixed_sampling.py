@@ -72,16 +72,17 @@ def sampled_rows(mix: str, n: int) -> list[dict]:
 
 def step_batches(model, s: dict) -> dict:
     """Per step mix: (a function building its StepBatch for a round)."""
-    from xlr_jax.model.sampling import SamplingParams
+    from xlr_jax.model.sampling_params import SamplingParams
 
     engine = model.engine
-    tables = row_tables(engine, engine.steps.buckets.table_width, s["rows"],
-                        -(-(s["position"] + 1) // engine.kv.page_size))
+    steps = engine.runner.steps
+    tables = row_tables(engine, steps.buckets.table_width, s["rows"],
+                        -(-(s["position"] + 1) // engine.runner.kv.page_size))
     tokens = np.random.default_rng(s["seed"]).integers(engine.config.vocab_size, size=s["rows"])
     greedy = s["rows"] - s["rows"] // 2
 
     def batch(mix: str, step: int):
-        builder = engine.steps.builder(s["rows"], 0)
+        builder = steps.builder(s["rows"], 0)
         rows = [{}] * greedy + sampled_rows(mix, s["rows"] - greedy)
         for j, kwargs in enumerate(rows):
             params = SamplingParams(**kwargs, seed=j)
@@ -97,22 +98,19 @@ def time_steps(model, s: dict) -> dict:
     to all-greedy's in the same round; medians over rounds."""
     import jax
 
-    engine = model.engine
+    runner = model.engine.runner
     batches = step_batches(model, s)
     rounds = {mix: [] for mix in batches}
-    kv = engine.kv
     for r in range(s["rounds"] + 1):  # round 0 warms up (a first run builds pipelines)
         for mix, make in batches.items():
             times = []
             for i in range(s["step_runs"]):
                 batch = make(r * s["step_runs"] + i)  # another draw every run
                 start = time.perf_counter()
-                token, *_, kv = engine.steps.step(engine.params, kv, batch)
-                jax.block_until_ready(token)
+                jax.block_until_ready(runner.run_step(batch))
                 times.append(time.perf_counter() - start)
             if r:
                 rounds[mix].append(statistics.median(times))
-    engine.kv = kv
     return {mix: {"step_s": statistics.median(t), "over_greedy": statistics.median(
         a / b for a, b in zip(t, rounds["greedy"])), "rounds_s": t} for mix, t in rounds.items()}
 

@@ -62,8 +62,7 @@ def run_mode(mode: str, cache_dir: str, max_tokens: int) -> dict:
             for tier in model.prefix_cache.registered():
                 model.prefix_cache.unregister_stable(tier)
     turns = conversation(model, agent_system_prompt("Hermes"), max_tokens)
-    if model.engine.tier_store is not None:
-        model.engine.tier_store.flush()
+    model.engine.kv.flush()
     return {"mode": mode, "turns": turns, "load": model.load_info,
             "stats": model.prefix_cache.stats() if model.prefix_cache else None}
 

@@ -67,19 +67,17 @@ def main(argv=None) -> int:
 
     model = load_model(args.model, prefix_cache=False, attn_impl=args.attn_impl,
                        linear_impl=args.linear_impl)
-    steps, params, kv = model.engine.steps, model.engine.params, model.engine.kv
-    batch = step_batch(model, steps, args.rows, args.chunk, args.start)
+    runner = model.engine.runner
+    batch = step_batch(model, runner.steps, args.rows, args.chunk, args.start)
 
     times = []
     for _ in range(args.runs + 1):  # the first compiles
         t = time.perf_counter()
-        token, *_, kv = steps.step(params, kv, batch)
-        jax.block_until_ready(token)
+        jax.block_until_ready(runner.run_step(batch))
         times.append(time.perf_counter() - t)
     with tempfile.TemporaryDirectory() as trace:
         with jax.profiler.trace(trace):
-            token, *_, kv = steps.step(params, kv, batch)
-            jax.block_until_ready(token)
+            jax.block_until_ready(runner.run_step(batch))
         ops = summarize(trace)
 
     ops_ms = sum(ms for kind, _, ms in ops if kind != "while")

@@ -116,7 +116,7 @@ def agent_turn(model: str, cache_dir: str, max_tokens: int, quick: bool) -> dict
     system = agent_system_prompt("Hermes")[:600 if quick else None]
     r = m.chat([{"role": "system", "content": system}, {"role": "user", "content": TURNS[0]}],
                max_tokens=max_tokens)
-    m.engine.tier_store.flush()  # the next process must find the tier on disk
+    m.engine.kv.flush()  # the next process must find the tier on disk
     return {"load_s": load_s, "ttft_s": r.metrics["ttft_s"],
             "prompt_tokens": r.metrics["prompt_tokens"],
             "cached_tokens": r.metrics["cached_tokens"], "token_ids": r.token_ids}

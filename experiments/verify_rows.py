@@ -24,45 +24,45 @@ import argparse
 import json
 import statistics
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
 MIXES = [(0, 4), (0, 8), (1, 4), (3, 4), (6, 4)]  # (plain streams, gamma)
 
 
-class _Row:
-    """What the engine's sampling and block-table helpers read of a request."""
-
-    def __init__(self, params, seq):
-        self.params, self.seq = params, seq
-
-
 def timers(model, context: int, draft_name: str):
     """Functions that run one loop iteration's parts on a sequence holding `context`
     tokens: a ragged step of some rows (its logits), the rows' verification around it
     (a device draft's proposal pass and judgement; nothing for n-gram), and a cycle."""
-    from xlr_jax.kv.paged_kv import SequencePages
-    from xlr_jax.model.sampling import SamplingParams
-    from xlr_jax.speculative.cycle import resolve_draft
+    from xlr_jax.model.sampling_params import SamplingParams
+    from xlr_jax.speculative.config import resolve_draft
 
     e = model.engine
+    runner = e.runner
     draft = resolve_draft(draft_name, e.config)
-    seq = SequencePages(e.pool)
-    seq.reserve(context + 16)
+    seq = e.kv.new_sequence()
+    e.kv.reserve(seq, context + 16)
     seq.length = context
-    width = e.steps.buckets.table_width
+    width = runner.steps.buckets.table_width
     params = SamplingParams()
-    row = [_Row(params, seq)]
-    sampling, sampler = e.sampling(row, 1, [1])
-    last, positions, salt = (np.full(1, v, np.int32) for v in (5, context, 0))
+    sampling, sampler = runner.sampling([params], [1], 1)
+    tables = e.kv.block_tables([seq], 1, e.buckets.pages)
+
+    def inputs(num_draft: int) -> SimpleNamespace:  # a cycle's rows (SpecRunner's inputs)
+        return SimpleNamespace(last=np.full(1, 5, np.int32),
+                               positions=np.full(1, context, np.int32),
+                               num_draft=np.full(1, num_draft, np.int32),
+                               salt=np.zeros(1, np.int32), sampling=sampling,
+                               sampler=sampler, block_tables=tables)
 
     def step(rows: int):
         if not rows:
             return None
-        build = e.steps.builder(rows, 0)
+        build = runner.steps.builder(rows, 0)
         for j in range(rows):
             build.decode(5, context + j, seq.block_table(width), params, j + 1)
-        tokens, logits, _, e.kv = e.steps.step(e.params, e.kv, build.build())
+        tokens, logits = runner.run_step(build.build())
         np.asarray(tokens)
         return logits
 
@@ -71,25 +71,19 @@ def timers(model, context: int, draft_name: str):
         if draft.kind == "tokens":
             return step(rows)
         # as the engine does: the draft runs gamma steps, the rows' room caps what counts
-        num_draft = np.full(1, drafts_in_rows, np.int32)
-        drafts, q, e.kv, _ = e.spec_steps.propose(
-            e.params, e.kv, draft, None, last, positions, num_draft, e.block_tables(row, 1),
-            sampling, salt, gamma=gamma, sampler=sampler)
+        x = inputs(drafts_in_rows)
+        drafts, q = runner.propose(draft, x, gamma=gamma)
         np.asarray(drafts)  # the host builds the step's rows from them
         logits = step(rows)
         index = (plain + np.minimum(np.arange(gamma + 1), drafts_in_rows))[None]
-        accepted, *_ = e.spec_steps.judge(logits, index.astype(np.int32), drafts, q,
-                                          num_draft, sampling, salt, sampler=sampler,
-                                          method="exact")
+        accepted, *_ = runner.judge(logits, index.astype(np.int32), drafts, q, x,
+                                    method="exact")
         np.asarray(accepted)
 
     def cycle(gamma: int):
-        out = e.spec_steps.cycle(
-            e.params, e.kv, draft, None, last, positions, np.full((1, gamma), 7, np.int32),
-            np.full(1, gamma, np.int32), e.block_tables(row, 1), sampling, salt,
-            gamma=gamma, method="exact", sampler=sampler)
-        e.kv = out[6]
-        np.asarray(out[0])
+        accepted, *_ = runner.cycle(draft, inputs(gamma), np.full((1, gamma), 7, np.int32),
+                                    gamma=gamma, method="exact")
+        np.asarray(accepted)
 
     return step, rows_iteration, cycle, seq
 

@@ -24,13 +24,16 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2Config, Qwen2ForCausalLM)
 
 import xlr_jax
-from xlr_jax.kv.paged_kv import SCRATCH_PAGE, PagedKV
+from xlr_jax.kv.paged_kv import PagedKV
+from xlr_jax.kv.pages import SCRATCH_PAGE
 from xlr_jax.loading.weights import hf_config, load_weights
 from xlr_jax.model.config import RopeScaling
 from xlr_jax.model.decoder import params_from_arrays
-from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.model.sampling_params import SamplingParams
 from xlr_jax.model.steps import Steps
-from xlr_jax.planning.mapper import REDUCE_ROWS, Buckets
+from xlr_jax.planning.buckets import REDUCE_ROWS, Buckets
+from xlr_jax.planning.hardware import probe
+from xlr_jax.planning.mapper import Workload, plan
 from xlr_jax.runtime.engine import Engine
 
 # Relative error max|xlr - hf| / max|hf|. Both sides run in float32 and differ only in summation
@@ -118,8 +121,10 @@ def xlr_logits(config, arrays, ids) -> np.ndarray:
 
     The engine gets no tokenizer: these directories have none, and the logits path reads token ids.
     """
-    engine = Engine(config, params_from_arrays(arrays), None, page_size=PAGE, num_pages=40,
-                    max_batch=1, prefill_chunk=256, max_context=config.max_context)
+    p = plan(probe(), config, Workload(max_batch=1, prefill_chunk=256,
+                                       max_context=config.max_context),
+             page_size=PAGE, num_pages=40, attn_impl="xla", linear_impl="xla")
+    engine = Engine(config, params_from_arrays(arrays), None, p)
     return engine.logits([int(t) for t in ids])
 
 

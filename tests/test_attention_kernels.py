@@ -29,9 +29,11 @@ from xlr_jax.bench.engines import random_params
 from xlr_jax.kv.paged_kv import quantize_kv
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import Params
-from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.model.sampling_params import SamplingParams
 from xlr_jax.ops import cpu_attention, cpu_kernels, paged_attention
 from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas
+from xlr_jax.planning.hardware import probe
+from xlr_jax.planning.mapper import Workload, plan
 from xlr_jax.runtime.engine import Engine
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -380,9 +382,13 @@ TINY = ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, num_la
                    tie_embeddings=False)
 
 
-def tiny_engine(params: Params, config=TINY, **kw) -> Engine:
-    return Engine(config, params, None, page_size=16, num_pages=24, max_batch=2,
-                  prefill_chunk=32, max_context=config.max_context, **kw)
+def tiny_engine(params: Params, config=TINY, attn_impl="xla", kv_dtype=None) -> Engine:
+    """An engine of 24 16-token pages, 2 rows, 32-token chunks; XLA's weight products."""
+    p = plan(probe(), config, Workload(max_batch=2, prefill_chunk=32,
+                                       max_context=config.max_context),
+             page_size=16, num_pages=24, attn_impl=attn_impl, linear_impl="xla",
+             kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name)
+    return Engine(config, params, None, p)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,11 @@ import pytest
 from xlr_jax.bench.engines import random_params
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import RowProducts, linear
-from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.model.sampling_params import SamplingParams
 from xlr_jax.ops import cpu_linear
-from xlr_jax.planning.mapper import REDUCE_ROWS, buckets_for
+from xlr_jax.planning.buckets import REDUCE_ROWS
+from xlr_jax.planning.hardware import probe
+from xlr_jax.planning.mapper import Workload, plan
 from xlr_jax.runtime.engine import Engine
 
 
@@ -83,10 +85,12 @@ def test_model_decodes_the_same_through_the_kernel(cpu_kernels_on):
     sampling = [SamplingParams(max_tokens=40, ignore_eos=True, logprobs=0)] * 4
     done = {}
     for kernel_rows in (0, cpu_linear.MAX_ROWS):
-        buckets = dataclasses.replace(buckets_for(4, 32, 16, dense=True),
-                                      kernel_rows=kernel_rows)
-        engine = Engine(config, params, None, page_size=16, num_pages=48, max_batch=4,
-                        prefill_chunk=32, max_context=256, buckets=buckets, max_step_tokens=20)
+        p = plan(probe(), config, Workload(max_batch=4, prefill_chunk=32, max_context=256,
+                                           max_step_tokens=20),
+                 page_size=16, num_pages=48, attn_impl="xla",
+                 linear_impl="cpu" if kernel_rows else "xla")
+        # every product of 2 to 96 rows by the kernel, whatever this CPU's vectors pay for
+        engine = Engine(config, params, None, dataclasses.replace(p, kernel_rows=kernel_rows))
         done[kernel_rows] = {i: r for i, _, r in engine.run(prompts, sampling) if r is not None}
         assert sorted(done[kernel_rows]) == [0, 1, 2, 3]
     for i in range(4):

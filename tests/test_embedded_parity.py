@@ -68,9 +68,9 @@ def test_batched_prompts_equal_each_alone(model):
 
 
 def test_more_prompts_than_max_batch_all_complete(model):
-    prompts = [f"Count to {i}:" for i in range(model.engine.max_batch + 3)]
+    prompts = [f"Count to {i}:" for i in range(model.engine.scheduler.max_batch + 3)]
     alone = [model.generate(p, max_tokens=6).token_ids for p in prompts[-2:]]
     results = model.generate(prompts, max_tokens=6)
     assert len(results) == len(prompts) and all(len(r.token_ids) == 6 for r in results)
     assert [r.token_ids for r in results[-2:]] == alone
-    assert model.engine.pool.num_available == model.engine.pool.num_pages - 1  # nothing leaked
+    assert model.engine.kv.pool.num_available == model.engine.kv.pool.num_pages - 1  # nothing leaked

@@ -82,7 +82,7 @@ def test_errors_leave_the_model_usable(model):
     with pytest.raises(XlrError):
         model.generate(["fine prompt", ""])
     assert model.generate("The capital of France is", max_tokens=8).token_ids == before
-    assert model.engine.pool.num_available == model.engine.pool.num_pages - 1  # none leaked
+    assert model.engine.kv.pool.num_available == model.engine.kv.pool.num_pages - 1  # none leaked
 
 
 def run_cli(*args, **kw):
@@ -108,5 +108,5 @@ def test_abandoned_stream_gives_its_pages_back(model):
     assert next(pieces) and next(pieces)
     pieces.close()  # the caller walked away mid-generation
     assert model.stats()["pages_held"] == 0  # given back before the loop's next step
-    assert model.engine.pool.num_available == model.engine.pool.num_pages - 1
+    assert model.engine.kv.pool.num_available == model.engine.kv.pool.num_pages - 1
     assert model.generate("The capital of France is", max_tokens=4).finish_reason == "length"

@@ -138,7 +138,7 @@ def test_a_load_never_holds_the_weights_twice(tmp_path):
         baseline = sum(a.nbytes for a in jax.live_arrays())
         with LiveBytes() as live:
             model = xlr_jax.load_model(path, params_cache=params_cache, **kwargs)
-        params, kv = model.engine.params.nbytes(), model.engine.kv.nbytes()
+        params, kv = model.engine.runner.params.nbytes(), model.engine.runner.kv.nbytes()
         assert params > 8 * kv  # the weights dominate: holding them twice would show
         assert live.peak - baseline <= params + kv + params // 20, (
             f"peak {live.peak - baseline} bytes for {params} of params and {kv} of KV")
@@ -282,7 +282,7 @@ AGENT_RUN = COUNT_COMPILES + textwrap.dedent("""
     system = "You are a careful agent. " * 12 + "Use the tools."
     r = model.chat([{"role": "system", "content": system},
                     {"role": "user", "content": "Find the papers."}], max_tokens=4)
-    model.engine.tier_store.flush()
+    model.engine.kv.tier_store.flush()
     print(json.dumps({"ids": r.token_ids, "cached": r.metrics["cached_tokens"],
                       "stable": r.metrics["stable_tokens"], "compiles": len(compiles) - len(hits)}))
 """)

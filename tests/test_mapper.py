@@ -21,12 +21,12 @@ from xlr_jax.bench.engines import random_params
 from xlr_jax.loading.registry import resolve_model
 from xlr_jax.loading.weights import read_config
 from xlr_jax.model.config import ModelConfig
-from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.model.sampling_params import SamplingParams
 from xlr_jax.planning.hardware import (KNOWN_GPUS, HardwareProfile, gpu_memory, gpu_spec,
                                        jax_preallocates, peaks, preset, simd_bits)
 from xlr_jax.ops import cpu_kernels
-from xlr_jax.planning.mapper import (ExecutionPlan, first_chunk, particle_pages,
-                                     particles_for, pick_bucket)
+from xlr_jax.planning.buckets import chunk_room, first_chunk, pick_bucket
+from xlr_jax.planning.mapper import ExecutionPlan, particle_pages, particles_for
 from xlr_jax.planning.roofline import PRESETS, estimate, weight_bytes_read
 from xlr_jax.runtime.engine import Engine
 
@@ -251,12 +251,14 @@ def test_compiler_options_reach_xla_and_keep_the_tokens():
     params = random_params(config, jnp.float32, seed=3)
 
     def engine(options):
-        return Engine(config, params, None, page_size=16, num_pages=20, max_batch=2,
-                      prefill_chunk=32, max_context=128, compiler_options=options)
+        p = plan(PROFILES["cpu24"], config,
+                 Workload(max_batch=2, prefill_chunk=32, max_context=128), page_size=16,
+                 num_pages=20, compiler_options=options)
+        return Engine(config, params, None, p)
 
     bad = engine({"xla_cpu_prefer_vector_width": "wide"})
     with pytest.raises(Exception, match="xla_cpu_prefer_vector_width"):
-        bad.steps.step(bad.params, bad.kv, bad.steps.builder(1, 0).build())
+        bad.runner.run_step(bad.runner.steps.builder(1, 0).build())
     prompts = [[5, 9, 2, 77, 31], [100, 3, 3, 8]]
     sampling = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
     runs = [[d.token_ids for _, _, d in engine(o).run(prompts, sampling) if d is not None]
@@ -267,8 +269,9 @@ def test_compiler_options_reach_xla_and_keep_the_tokens():
 def test_load_model_uses_the_plan(tmp_path):
     model = xlr_jax.load_model("smollm2", cache_dir=tmp_path, max_context=256, max_batch=2)
     e, p = model.engine, model.plan
-    assert (e.pool.page_size, e.pool.num_pages, e.max_batch) == (p.page_size, p.num_pages, 2)
-    assert e.buckets == p.buckets and str(e.kv.k.dtype) == p.kv_dtype
+    assert (e.kv.page_size, e.kv.pool.num_pages, e.scheduler.max_batch) == (
+        p.page_size, p.num_pages, 2)
+    assert e.buckets == p.buckets and str(e.runner.kv.k.dtype) == p.kv_dtype
     assert model.info()["plan"]["num_pages"] == p.num_pages
     with pytest.raises(PlanError, match="needs"):
         xlr_jax.load_model("smollm2", cache_dir=tmp_path, num_pages=10_000_000)
@@ -395,20 +398,20 @@ def fifty_requests(engine: Engine, seed: int):
 @pytest.mark.parametrize("warm", [False, True])
 def test_compilations_never_exceed_the_buckets(warm):
     p = plan(PROFILES["cpu24"], TINY, Workload(max_batch=2, prefill_chunk=32), page_size=16)
-    engine = Engine.from_plan(TINY, random_params(TINY, jnp.float32, 0), None, p)
+    engine = Engine(TINY, random_params(TINY, jnp.float32, 0), None, p)
     b = p.buckets
     # decode rows alone, a chunk alone, a chunk beside the largest batch; the sampler and
     # the block-table width are no shapes
     shapes = len(b.batch) + 2 * len(b.chunk)
-    assert len(engine.steps.keys()) == shapes
+    assert len(engine.runner.steps.keys()) == shapes
     if warm:
-        report = engine.steps.warmup(engine.params, engine.kv, progress=False)
+        report = engine.runner.warmup(progress=False)
         assert len(report) == shapes
         assert all(r["compile_s"] > 0 for r in report)
     fifty_requests(engine, seed=int(warm))
-    assert engine.steps.compilations()["step"] <= shapes
+    assert engine.runner.steps.compilations()["step"] <= shapes
     if warm:  # everything ran on the warmed executables: the jit cache stayed empty
-        assert engine.steps._step._cache_size() == 0
+        assert engine.runner.steps._step._cache_size() == 0
 
 
 def test_plan_dataclass_is_frozen(smollm2):
@@ -429,20 +432,22 @@ def test_step_budget_sizes_the_chunk_beside_decode_rows_and_keeps_the_tokens(smo
     assert gpu.max_step_tokens == gpu.max_batch + gpu.prefill_chunk
     with pytest.raises(PlanError, match="max_step_tokens"):
         plan(PROFILES["cpu24"], TINY, Workload(max_step_tokens=0))
-    engine = Engine.from_plan(TINY, random_params(TINY, jnp.float32, 0), None, p)
+    engine = Engine(TINY, random_params(TINY, jnp.float32, 0), None, p)
     assert p.buckets.chunk == (16, 32)
-    assert engine.chunk_room(0) == 32 and engine.chunk_room(2) == 32
-    engine.max_step_tokens = 33
-    assert engine.chunk_room(0) == 32  # nothing decodes: a whole chunk
-    assert engine.chunk_room(1) == 32 and engine.chunk_room(2) == 16  # 31 fit: the 16 bucket
-    engine.max_step_tokens = 10
-    assert engine.chunk_room(2) == 16  # none fits: the smallest, so a prompt still moves
+
+    def room(rows, budget, b=p.buckets):
+        return chunk_room(b, rows, None, budget, p.step_cost_tokens)
+
+    assert room(0, 40) == 32 and room(2, 40) == 32
+    assert room(0, 33) == 32  # nothing decodes: a whole chunk
+    assert room(1, 33) == 32 and room(2, 33) == 16  # 31 fit: the 16 bucket
+    assert room(2, 10) == 16  # none fits: the smallest, so a prompt still moves
     # a short prompt decodes while a long one prefills beside it
     prompts = [[5, 9, 2], [int(t) for t in np.random.default_rng(1).integers(0, 256, 40)]]
     params = [SamplingParams(max_tokens=20, ignore_eos=True)] * 2
     tokens = {}
     for budget in (10, 40):
-        engine.max_step_tokens = budget
+        engine.scheduler.set_budget(budget)
         tokens[budget] = [r.token_ids for _, _, r in engine.run(prompts, params) if r is not None]
     assert tokens[10] == tokens[40] and all(len(t) == 20 for t in tokens[10])
 

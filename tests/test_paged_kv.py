@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xlr_jax import OutOfPagesError
-from xlr_jax.kv.paged_kv import SCRATCH_PAGE, PagedKV, PagePool, SequencePages, copy_pages
+from xlr_jax.kv.paged_kv import PagedKV, copy_pages
+from xlr_jax.kv.pages import SCRATCH_PAGE, PagePool, SequencePages
 
 
 def check_pool(pool: PagePool, seqs: list[SequencePages]) -> None:
@@ -101,13 +102,13 @@ def test_engine_shares_a_small_pool_on_need(tiny_models, cache_dir):
     alone = [small.generate(p, max_tokens=14, ignore_eos=True).token_ids for p in prompts]
     together = small.generate(prompts, max_tokens=14, ignore_eos=True)
     assert [r.token_ids for r in together] == alone
-    assert small.engine.pool.num_available == 3  # free, or cached and evictable
+    assert small.engine.kv.pool.num_available == 3  # free, or cached and evictable
     long = small.generate(prompts, max_tokens=50, ignore_eos=True)  # 48 slots in the pool
     assert [r.finish_reason for r in long] == ["length"] * 3
     # the last token fed sits at position 47: one more is sampled, none fits after it
     assert all(len(r.token_ids) + r.metrics["prompt_tokens"] == 49 for r in long)
     assert [r.token_ids[:14] for r in long] == alone
-    assert small.engine.pool.num_available == 3
+    assert small.engine.kv.pool.num_available == 3
     assert small.generate(prompts[0], max_tokens=14, ignore_eos=True).token_ids == alone[0]
 
 
@@ -127,7 +128,7 @@ def test_each_step_compiles_once_per_bucket(tiny_models, cache_dir):
                        for _ in range(batch)]
             model.generate(prompts, max_tokens=int(rng.integers(1, 4)))
 
-    shapes = len(engine.steps.keys())
+    shapes = len(engine.runner.steps.keys())
     for _ in range(2):  # the second time prompts hit the prefix cache: shorter prefills
         workload()
-        assert shapes // 2 < engine.steps.compilations()["step"] <= shapes  # most, no more
+        assert shapes // 2 < engine.runner.steps.compilations()["step"] <= shapes  # most, no more

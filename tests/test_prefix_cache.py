@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xlr_jax
-from xlr_jax.kv.paged_kv import PagePool, SequencePages
+from xlr_jax.kv.pages import PagePool, SequencePages
 from xlr_jax.kv.prefix_cache import PrefixCache, chain_keys
 from xlr_jax.kv.tier_store import TierStore
 
@@ -228,12 +228,12 @@ def test_a_prompt_tail_goes_in_smaller_chunks_with_the_same_tokens(models):
     assert plain.plan.step_cost_tokens > 0
     try:
         for cost in (plain.plan.step_cost_tokens, 0):
-            engine.step_cost_tokens = cost
+            engine.scheduler.set_budget(step_cost_tokens=cost)
             before = plain.stats()["steps"]
             tokens = plain.generate(ids, max_tokens=4, ignore_eos=True).token_ids
             runs[cost] = tokens, plain.stats()["steps"] - before
     finally:
-        engine.step_cost_tokens = plain.plan.step_cost_tokens
+        engine.scheduler.set_budget(step_cost_tokens=plain.plan.step_cost_tokens)
     (split, split_steps), (padded, padded_steps) = runs.values()
     assert split == padded and split_steps == padded_steps + 1
 
@@ -288,7 +288,7 @@ logging.basicConfig(level=logging.WARNING)
 cache_dir, switch, stable = sys.argv[1:4]
 m = xlr_jax.load_model(dtype="float32", cache_dir=cache_dir, prefix_cache=switch == "on")
 r = m.generate({"stable": stable, "volatile": " Q: the capital of France? A:"}, max_tokens=8)
-store = m.engine.tier_store
+store = m.engine.kv.tier_store
 if store:
     store.flush()
 print(json.dumps({"ids": r.token_ids, "cached": r.metrics["cached_tokens"],
@@ -396,7 +396,7 @@ def load_tiny(path, cache_dir, **kw):
 
 def idle_and_consistent(model, pinned: int) -> None:
     """No page is held after a run; the idle ones are free, evictable or pinned."""
-    pool, cache = model.engine.pool, model.prefix_cache
+    pool, cache = model.engine.kv.pool, model.prefix_cache
     assert not pool.refcounts.any()
     assert cache.pinned_pages == pinned
     assert pool.num_available + pinned == pool.num_pages - 1
@@ -424,13 +424,13 @@ def test_a_newcomer_never_takes_pages_running_requests_need(tiny_dir, tmp_path, 
         assert model.prefix_cache.stats()["pages_evictable"] == 3
     else:  # an earlier engine saved the tier; a fresh one over the same cache_dir has it
         model.generate(newcomer, max_tokens=1)  # saves the tier
-        model.engine.tier_store.flush()
+        model.engine.kv.tier_store.flush()
         model = load_tiny(tiny_dir, tmp_path / "cache", num_pages=11)
     done = model.generate(batch, **kw)
     assert [r.token_ids for r in done] == expect
     assert [r.finish_reason for r in done] == ["length"] * 3
     if tier_in == "snapshot":  # restored once it fitted: still a warm start (again after a
-        assert model.engine.tier_store.loaded >= 1  # preemption unpinned it and it was evicted)
+        assert model.engine.kv.tier_store.loaded >= 1  # preemption unpinned it and it was evicted)
         assert done[2].metrics["stable_cached_tokens"] == len(TIER)
     assert model.prefix_cache.registered() == [tuple(TIER)]
     idle_and_consistent(model, pinned=3)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from xlr_jax import InvalidRequestError
-from xlr_jax.model.sampling import (CANDIDATES, SamplingBatch, SamplingParams, sample_rows,
-                                    sampler_for, token_probs)
+from xlr_jax.model.sampling import (CANDIDATES, SamplingBatch, sample_rows, sampler_for, token_probs)
+from xlr_jax.model.sampling_params import SamplingParams
 
 
 def draw(logits, n=400, **kw):
@@ -227,4 +227,4 @@ def test_early_finisher_in_a_batch_leaves_the_others_exact(model):
     assert alone[0].finish_reason == "stop" and len(alone[0].token_ids) < 16
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert [r.text for r in together] == [r.text for r in alone]
-    assert model.engine.pool.num_available == model.engine.pool.num_pages - 1
+    assert model.engine.kv.pool.num_available == model.engine.kv.pool.num_pages - 1

@@ -1,428 +1,302 @@
-"""The always-on loop: many caller threads, requests joining a running batch,
-cancellation, a bounded queue and shutdown, on the embedded model."""
-import asyncio
-import gc
-import threading
-import time
+"""The scheduler without a model: admission, chunking, preemption, prefix sharing, stable-tier
+waits, forced tokens and the step's rows, driven by hand-made runner outputs. Each test
+runs in milliseconds; the model runs in tests/test_engine_loop.py."""
+import ast
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-import xlr_jax
-from xlr_jax.errors import QueueFullError, XlrError
+from xlr_jax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
+from xlr_jax.kv.manager import KVManager, PageCopy
+from xlr_jax.model.sampling_params import SamplingParams
+from xlr_jax.planning.buckets import buckets_for
+from xlr_jax.runtime.request import Request
+from xlr_jax.runtime.scheduler import RunnerOutput, Scheduler
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
-           "The three primary colors are"]
-SELF_DRAFT = {"method": "exact", "draft": "self:20", "gamma": 2}
-NGRAM = {"method": "exact", "draft": "ngram", "gamma": 4}
-SMC = {"method": "smc", "draft": "self:26", "gamma": 2, "particles": 2, "min_agreement": 0}
-
-
-def _request(i: int) -> dict:
-    """The i-th request of the mix: greedy, seeded sampling, exact SD (n-gram and
-    self-draft) and SMC with a fixed particle count."""
-    kinds = [dict(), dict(temperature=0.8, seed=i), dict(speculative=NGRAM),
-             dict(speculative=SELF_DRAFT), dict(temperature=0.8, seed=i, speculative=SMC)]
-    return dict(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=10, ignore_eos=True,
-                **kinds[i % len(kinds)])
+PAGE = 4
+CONTEXT = 256
 
 
-def _generate(model, request: dict):
-    args = dict(request)
-    return model.generate(args.pop("prompt"), **args)
+def make_scheduler(num_pages=32, max_batch=4, chunk=16, budget=None, prefix_cache=True,
+                   max_preemptions=2) -> Scheduler:
+    kv = KVManager(num_pages, PAGE, prefix_cache=prefix_cache, namespace="test")
+    buckets = buckets_for(max_batch, chunk, -(-CONTEXT // PAGE), dense=True)
+    return Scheduler(kv, buckets, max_batch=max_batch,
+                     max_step_tokens=budget or max_batch + chunk, step_cost_tokens=0,
+                     max_preemptions=max_preemptions, vocab_size=1000)
 
 
-def _idle(model) -> dict:
-    stats = model.stats()
-    assert stats["running"] == 0 and stats["waiting"] == 0
-    assert stats["pages_held"] == 0, "a request kept pages after it ended"
-    return stats
+def make_request(s: Scheduler, index: int, prompt: list[int], max_tokens=8,
+                 tiers=(0, 0), **params) -> Request:
+    r = Request(index, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                              **params),
+                s.kv.new_sequence(), None, CONTEXT, 0.0, tiers)
+    s.kv.check_fits(r)
+    return r
 
 
-def test_threads_get_what_each_request_gets_alone(model):
-    """16 threads x 2 requests of every kind at once (twice the rows a step holds): each
-    output equals its solo run."""
-    requests = [_request(i) for i in range(32)]
-    solo = [_generate(model, r).token_ids for r in requests]
-    got: dict[int, list[int]] = {}
-    errors = []
-
-    def caller(t: int):
-        try:
-            for i in range(t, 32, 16):
-                got[i] = _generate(model, requests[i]).token_ids
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=caller, args=(t,)) for t in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=900)
-    assert not errors, errors
-    assert [got[i] for i in range(32)] == solo
-    _idle(model)
+def token_for(r: Request) -> int:
+    """The runner's stand-in: each request draws its index times 100 plus its count."""
+    return 100 * (r.index + 1) + len(r.generated)
 
 
-def test_a_newcomer_joins_a_running_stream(model):
-    """A request submitted while another streams finishes before the stream does."""
-    stream = model.submit("Write a long story about a dragon.", max_tokens=60, ignore_eos=True)
-    newcomer = None
-    seen_while_streaming = False
-    for n, _ in enumerate(stream.tokens()):
-        if n == 2:
-            newcomer = model.submit("Hello", max_tokens=4, ignore_eos=True)
-        # both are set by the loop thread: a witness that the newcomer ended first
-        seen_while_streaming |= newcomer is not None and newcomer.done and not stream.done
-    assert seen_while_streaming, "the newcomer waited for the running stream to end"
-    assert newcomer.result().token_ids == model.generate("Hello", max_tokens=4,
-                                                         ignore_eos=True).token_ids
-    assert stream.result().finish_reason == "length"
+def fake_result(s: Scheduler, out) -> RunnerOutput:
+    """What a runner would read back of `out`: a token per row, the chunk's after every
+    (padded) decode row, as the step builder lays them out."""
+    rows = 0 if not out.rows else (s.buckets.batch[-1] if out.chunk
+                                   else min(b for b in s.buckets.batch if b >= out.rows))
+    sampled = np.zeros(rows + (out.chunk is not None), np.int32)
+    for j, r in enumerate(out.decode):
+        sampled[j] = token_for(r)
+    if out.chunk is not None:
+        sampled[rows] = token_for(out.chunk)
+    return RunnerOutput(sampled, None, rows)
 
 
-def test_speculation_runs_beside_other_requests(model):
-    """While a long SMC request runs, a plain request, a second SMC request and an
-    exact-speculation one submitted after it all end before it does (one loop runs every
-    kind, several SMC requests at once), and each output equals its solo run."""
-    first = dict(prompt=PROMPTS[0], max_tokens=64, ignore_eos=True, temperature=0.8, seed=1,
-                 speculative=SMC)
-    others = [dict(prompt=PROMPTS[1], max_tokens=6, ignore_eos=True),
-              dict(prompt=PROMPTS[2], max_tokens=6, ignore_eos=True, temperature=0.8, seed=2,
-                   speculative=SMC),
-              dict(prompt=PROMPTS[3], max_tokens=6, ignore_eos=True, speculative=SELF_DRAFT)]
-    solo = [_generate(model, r).token_ids for r in [first, *others]]
-    args = dict(first)
-    running = model.submit(args.pop("prompt"), **args)
-    deadline = time.monotonic() + 60
-    while model.stats()["running"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)  # admitted: the loop is busy with it
-    handles = []
-    for r in others:
-        args = dict(r)
-        handles.append(model.submit(args.pop("prompt"), **args))
-    got = [h.result().token_ids for h in handles]
-    assert not running.done, "a request waited for the running SMC request to end"
-    assert [running.result().token_ids, *got] == solo
-    _idle(model)
+def iterate(s: Scheduler):
+    """One engine iteration without run-ahead: prepare, the step, its update. Returns
+    (the step, its events), events before the step included."""
+    events = s.prepare()
+    running = [r for r in s.running if r.finish_reason is None]
+    plain = [r for r in running if r.decoding]
+    chunk = next((r for r in running if not r.decoding), None)
+    out = s.step(plain, chunk)
+    s.kv.take_ops()  # the runner would apply them
+    return out, events + s.update(out, fake_result(s, out))
 
 
-def test_smc_requests_share_their_cycles(model):
-    """SMC requests of one configuration running at once are the rows of one batched cycle
-    (a target pass for all their particles): together they take fewer cycles than alone,
-    and each output equals its solo run."""
-    reqs = [dict(prompt=PROMPTS[i], max_tokens=12, ignore_eos=True, temperature=0.8,
-                 seed=i, speculative=SMC) for i in (0, 1)]
-
-    def cycles(run) -> tuple[int, list]:
-        before = model.stats()["speculative"]["cycles"]
-        out = run()
-        return model.stats()["speculative"]["cycles"] - before, out
-
-    alone = [cycles(lambda r=r: _generate(model, r).token_ids) for r in reqs]
-
-    def together():
-        handles = []
-        for r in reqs:
-            args = dict(r)
-            handles.append(model.submit(args.pop("prompt"), **args))
-        return [h.result().token_ids for h in handles]
-
-    shared, got = cycles(together)
-    assert got == [tokens for _, tokens in alone]
-    assert shared < sum(n for n, _ in alone), (shared, [n for n, _ in alone])
-    _idle(model)
+def drain(s: Scheduler, limit=500) -> dict:
+    """Run until idle; each request's result by index."""
+    results = {}
+    for _ in range(limit):
+        s.drop_ended()
+        if s.idle:
+            return results
+        _, events = iterate(s)
+        results.update({i: res for i, _, res in events if res is not None})
+    raise AssertionError("the scheduler did not drain")
 
 
-def _stream_with_a_long_newcomer(model, word: str) -> tuple[list[float], float, float]:
-    """Stream 48 tokens; after the 5th, submit a 2,000-token prompt (made of `word`s).
-    Returns the stream's token times, when the newcomer was submitted and when its first
-    token came."""
-    text = " ".join(f"{word}{i} is a word" for i in range(500))
-    long_prompt = model.engine.tokenizer.encode(text)[:2000]
-    stream = model.submit("Write a long story about a dragon.", max_tokens=48, ignore_eos=True)
-    times, long = [], None
-    for n, _ in enumerate(stream.tokens()):
-        times.append(time.perf_counter())
-        if n == 4:
-            long = model.submit(long_prompt, max_tokens=2, ignore_eos=True)
-            submitted = time.perf_counter()
-    return times, submitted, submitted + long.result().metrics["ttft_s"]
+def held_pages(s: Scheduler) -> int:
+    return int((s.kv.pool.refcounts[1:] > 0).sum())
 
 
-def test_a_long_prompt_does_not_stall_a_running_stream(model):
-    """A 2,000-token prompt arriving mid-stream is prefilled chunk by chunk beside the
-    stream's decode steps: the stream's largest gap between tokens stays one step with
-    one chunk in it, far below the whole prefill (which it would wait for otherwise)."""
-    _stream_with_a_long_newcomer(model, "v")  # compiles the steps' shapes (another prompt)
-    times, submitted, first_token = _stream_with_a_long_newcomer(model, "w")
-    chunks = -(-2000 // model.engine.buckets.chunk[-1])
-    during = [t for t in times if submitted < t <= first_token]
-    gaps = np.diff([t for t in times if t > submitted])
-    # every chunk's step carried a token of the stream
-    assert len(during) >= chunks - 1, (len(during), chunks)
-    # one chunk's step, measured: the prefill's time shared by its chunks (x2 for jitter)
-    prefill = first_token - submitted
-    assert gaps.max() < 2 * prefill / chunks, (gaps.max(), prefill)
+def test_the_scheduler_imports_no_jax():
+    """Host policy only: its module and everything of the package it imports, read from
+    the sources, import neither jax nor the device modules."""
+    root = Path(__file__).parents[1]
+    seen, todo = set(), ["xlr_jax.runtime.scheduler"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = root / (name.replace(".", "/") + ".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     else [])
+            for imported in names:
+                assert imported.split(".")[0] not in ("jax", "jaxlib"), f"{name} imports jax"
+                if imported.startswith("xlr_jax."):
+                    todo.append(imported)
+    assert "xlr_jax.kv.manager" in seen and "xlr_jax.runtime.request" in seen
 
 
-def test_cancel_close_and_drop_give_pages_back(model):
-    handle = model.submit("Count to one hundred:", max_tokens=200, ignore_eos=True)
-    tokens = handle.tokens()
-    next(tokens), next(tokens)
-    handle.cancel()
-    result = handle.result(timeout=60)
-    assert result.finish_reason == "abort" and 2 <= len(result.token_ids) < 200
-
-    stream = model.stream("Count to one hundred:", max_tokens=200, ignore_eos=True)
-    next(stream)
-    stream.close()  # the request ends with the iterator
-
-    dropped = model.submit("Count to one hundred:", max_tokens=200, ignore_eos=True)
-    next(iter(dropped))
-    del dropped
-    gc.collect()
-    # a request still running would hold pages; the loop ends the two above at its next step
-    for _ in range(200):
-        if model.stats()["running"] == 0:
-            break
-    _idle(model)
+def test_requests_are_admitted_in_order_while_they_fit():
+    """Four slots: four of five requests run, the fifth waits for one to finish; every
+    request gets its tokens, and every page comes back."""
+    s = make_scheduler(max_batch=4)
+    reqs = [make_request(s, i, [1, 2, 3, 4, 5], max_tokens=3) for i in range(5)]
+    for r in reqs:
+        s.add(r)
+    s.prepare()
+    assert s.running == reqs[:4] and list(s.waiting) == reqs[4:]
+    results = drain(s)
+    assert sorted(results) == [0, 1, 2, 3, 4]
+    for r in reqs:
+        assert results[r.index].token_ids == [100 * (r.index + 1) + k for k in range(3)]
+    assert held_pages(s) == 0
 
 
-def test_generate_inside_a_stream(model):
-    replies = []
-    for piece in model.stream("The sky is", max_tokens=4, ignore_eos=True):
-        replies.append(model.generate("The sea is", max_tokens=3, ignore_eos=True).text)
-    assert len(replies) >= 1 and len(set(replies)) == 1
+def test_a_long_prompt_prefills_chunk_by_chunk_beside_decode_rows():
+    """A stream decodes while a 40-token prompt arrives: every step carries the stream's
+    row and a chunk within the step budget (20 - 1 rows: the 16 bucket, not the 32 it
+    would take alone)."""
+    s = make_scheduler(max_batch=2, chunk=32, budget=20)
+    stream = make_request(s, 0, [7, 7, 7], max_tokens=20)
+    s.add(stream)
+    iterate(s)  # its prompt
+    newcomer = make_request(s, 1, list(range(10, 50)), max_tokens=2)
+    s.add(newcomer)
+    chunks = []
+    while not newcomer.generated:
+        out, _ = iterate(s)
+        assert out.decode == [stream]
+        chunks.append(len(out.chunk_tokens))
+    assert chunks == [16, 16, 8]
+    assert newcomer.seq.length == 40
 
 
-def test_asyncio_adapters(model):
-    async def both():
-        result = await model.agenerate("The sky is", max_tokens=6, ignore_eos=True)
-        pieces = [p async for p in model.astream("The sky is", max_tokens=6, ignore_eos=True)]
-        return result, pieces
-
-    result, pieces = asyncio.run(both())
-    expected = model.generate("The sky is", max_tokens=6, ignore_eos=True)
-    assert result.token_ids == expected.token_ids
-    assert "".join(pieces) == expected.text
-
-
-def test_full_queue_and_shutdown(cache_dir):
-    """Past max_waiting, QueueFullError at once; shutdown ends everything with "abort"
-    and every page comes back."""
-    model = xlr_jax.load_model("smollm2", dtype="float32", cache_dir=cache_dir, max_waiting=2)
-    assert model.plan.max_waiting == 2
-    running = model.submit("Count to one hundred:", max_tokens=200, ignore_eos=True)
-    next(iter(running))  # running now, not waiting
-    # another kind waits until the running loop drains
-    queued = [model.submit("Hi", max_tokens=50, speculative=NGRAM) for _ in range(2)]
-    with pytest.raises(QueueFullError, match="max_waiting 2"):
-        model.submit("Hi", max_tokens=5)
-    model.shutdown()
-    assert running.result(timeout=60).finish_reason == "abort"
-    assert [q.result(timeout=60).finish_reason for q in queued] == ["abort", "abort"]
-    pool = model.engine.pool
-    assert int((pool.refcounts[1:] > 0).sum()) == 0
-    with pytest.raises(XlrError, match="shut down"):
-        model.generate("Hi", max_tokens=2)
+def test_alone_a_prompt_takes_whole_chunks():
+    s = make_scheduler(max_batch=2, chunk=32, budget=20)
+    r = make_request(s, 0, list(range(1, 41)), max_tokens=1)
+    s.add(r)
+    sizes = []
+    while not r.generated:
+        out, _ = iterate(s)
+        sizes.append(len(out.chunk_tokens))
+    assert sizes == [32, 8]
 
 
-@pytest.fixture
-def debug_checks(monkeypatch):
-    """Check the page pool's invariants after every step of the engines loaded here."""
-    monkeypatch.setenv("XLR_DEBUG_CHECKS", "1")
+def test_a_short_pool_preempts_the_newest_and_it_resumes_with_its_tokens():
+    """Two requests grow past a 5-page pool: the newest gives its pages back, waits at
+    the head of the queue and resumes by prefilling what it had; both finish with all
+    their tokens, and after max_preemptions it is protected."""
+    s = make_scheduler(num_pages=6, max_batch=2, prefix_cache=False, max_preemptions=1)
+    old = make_request(s, 0, [1, 2, 3], max_tokens=9)
+    new = make_request(s, 1, [4, 5, 6], max_tokens=9)
+    s.add(old)
+    s.add(new)
+    results = drain(s)
+    assert s.preemptions >= 1 and new.preemptions >= 1 and old.preemptions == 0
+    assert new.protected  # one preemption was its limit
+    for r in (old, new):
+        assert results[r.index].token_ids == [100 * (r.index + 1) + k for k in range(9)]
+    assert held_pages(s) == 0
 
 
-@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, seed=5)],
-                         ids=["greedy", "sampled"])
-def test_preempted_requests_give_the_same_tokens(tiny_models, cache_dir, debug_checks,
-                                                 sampling):
-    """A pool too small for 6 requests of 40 tokens at once: requests are admitted on
-    need, the newest preempted when a step runs short and resumed later, and every
-    output equals the one a pool with room for all gives. The pool's invariants hold
-    after every step (debug checks)."""
-    def load(num_pages):
-        return xlr_jax.load_model(str(tiny_models.target), dtype="float32", page_size=4,
-                                  num_pages=num_pages, cache_dir=cache_dir)
-
-    prompts = [[1, 2, 3, 4, 5, 6, 7], [2, 3, 4], [5, 5, 5, 5, 5, 1], [7, 6, 5, 4, 3, 2, 1],
-               [3, 3, 1], [6, 2, 6, 2, 6]]
-    roomy, tight = load(200), load(16)
-    expected = roomy.generate(prompts, max_tokens=40, ignore_eos=True, **sampling)
-    got = tight.generate(prompts, max_tokens=40, ignore_eos=True, **sampling)
-    assert tight.engine.preemptions > 0, "the pool was meant to force preemptions"
-    # a resumed request's prefix-cache count is its first admission's: the whole prompt
-    assert [r.metrics["prefilled_tokens"] for r in got] == [len(p) for p in prompts]
-    assert max(r.metrics["preemptions"] for r in got) <= 2  # then a request is protected
-    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
-    assert [r.text for r in got] == [r.text for r in expected]
-    # a request larger than the whole pool runs until the pool is full, then ends
-    alone = tight.generate([1, 2, 3], max_tokens=200, ignore_eos=True, **sampling)
-    assert alone.finish_reason == "length" and 40 < len(alone.token_ids) < 200
-    assert alone.token_ids == roomy.generate([1, 2, 3], max_tokens=len(alone.token_ids),
-                                             ignore_eos=True, **sampling).token_ids
-    assert tight.stats()["pages_held"] == 0
+def test_a_request_nothing_can_make_room_for_ends_at_length():
+    s = make_scheduler(num_pages=3, max_batch=1, prefix_cache=False)  # 2 pages: 8 tokens
+    r = make_request(s, 0, [1, 2, 3], max_tokens=20)
+    s.add(r)
+    results = drain(s)
+    # 8 slots: the prompt, 5 tokens fed back, and the last one drawn (never fed)
+    assert results[0].finish_reason == "length" and len(results[0].token_ids) == 6
+    assert held_pages(s) == 0
 
 
-def test_stop_token_ids_end_a_request_like_eos(model):
-    free = model.generate("The capital of France is", max_tokens=12, ignore_eos=True)
-    stop_at = free.token_ids[4]
-    cut = free.token_ids.index(stop_at) + 1
-    r = model.generate("The capital of France is", max_tokens=12, ignore_eos=True,
-                       stop_token_ids=[stop_at])
-    assert r.finish_reason == "stop" and r.token_ids == free.token_ids[:cut]
-    assert r.text == model.tokenizer.decode(free.token_ids[:cut - 1])
-    with pytest.raises(xlr_jax.InvalidRequestError, match="outside the vocabulary"):
-        model.generate("Hi", stop_token_ids=[10 ** 9])
+def test_a_request_that_can_never_fit_is_refused_at_once():
+    s = make_scheduler(num_pages=3)
+    with pytest.raises(PromptTooLongError, match="num_pages"):
+        make_request(s, 0, list(range(1, 10)))
 
 
-def test_logprobs_are_the_models_log_softmax(model):
-    """logprobs=k: each token's log-probability and the k most likely, equal to the log
-    softmax of the prompt's logits at that position; asked for by one request of a
-    batch, the others get none and the same tokens."""
-    prompt = "The capital of France is"
-    plain = model.generate(prompt, max_tokens=6, temperature=0.9, seed=4, ignore_eos=True)
-    h = model.submit(prompt, max_tokens=6, temperature=0.9, seed=4, ignore_eos=True,
-                     logprobs=3)
-    other = model.submit("Once upon a time", max_tokens=6, ignore_eos=True)
-    r = h.result()
-    assert r.token_ids == plain.token_ids and plain.logprobs is None
-    assert other.result().logprobs is None
-    ids = model.tokenizer.encode(prompt)
-    logits = model.logits(ids + r.token_ids[:-1])[len(ids) - 1:]
-    log_p = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-    assert [e["token_id"] for e in r.logprobs] == r.token_ids
-    for row, token, entry in zip(log_p, r.token_ids, r.logprobs):
-        # the prompt's logits come from one prefill, the tokens' from decode steps: f32
-        # sums in another order (~2e-3 here)
-        assert abs(entry["logprob"] - row[token]) < 1e-2
-        top = np.argsort(-row)[:3]
-        assert [t["token_id"] for t in entry["top_logprobs"]] == list(top)
-        assert np.allclose([t["logprob"] for t in entry["top_logprobs"]], row[top], atol=1e-2)
-    with pytest.raises(XlrError, match="logprobs must be in"):
-        model.generate(prompt, logprobs=21)
-    with pytest.raises(XlrError, match="not reported under speculative"):
-        model.generate(prompt, logprobs=1, speculative=NGRAM)
+def test_admission_that_fails_with_nothing_running_raises():
+    s = make_scheduler(num_pages=5, prefix_cache=False)
+    r = make_request(s, 0, [1, 2, 3, 4, 5])  # 2 pages
+    s.kv.pool.allocate(3)  # pages held by no request the scheduler knows
+    s.add(r)
+    with pytest.raises(OutOfPagesError, match="KV pages"):
+        s.prepare()
 
 
-def test_stats_is_one_snapshot_of_the_engine(model):
-    """Requests, pages, steps and their time, speculative totals and the prefix cache's
-    per-tier counts, moving as requests run."""
-    before = model.stats()
-    model.generate(PROMPTS[0], max_tokens=4, ignore_eos=True)
-    model.generate(PROMPTS[1], max_tokens=6, ignore_eos=True, speculative=NGRAM)
-    after = _idle(model)
-    assert after["steps"] >= before["steps"] + 4 and after["step_time_s"] > 0
-    spec = after["speculative"]
-    assert spec["target_passes"] > before["speculative"]["target_passes"]
-    assert spec["draft_tokens"] >= spec["accepted_tokens"] >= 0
-    assert after["prefix_cache"]["requests"] == before["prefix_cache"]["requests"] + 2
-    assert after["prefix_cache"]["volatile_tokens"] > before["prefix_cache"]["volatile_tokens"]
-    assert after["preemptions"] == before["preemptions"]
-    assert after["pages_free"] + after["pages_cached"] + after["pages_pinned"] <= \
-        after["pages_total"]
+def test_a_repeated_prompt_shares_the_cached_pages():
+    """The second request of the same 13-token prompt finds its first 12 tokens cached (3
+    full pages; one token is left to prefill for its logits) and the same tokens follow."""
+    s = make_scheduler()
+    prompt = list(range(20, 33))
+    first = make_request(s, 0, prompt, max_tokens=2)
+    s.add(first)
+    drain(s)
+    second = make_request(s, 0, prompt, max_tokens=2)
+    s.add(second)
+    out, _ = iterate(s)
+    assert second.cached_tokens == 12 and out.chunk_tokens == prompt[12:]
+    assert out.chunk_start == 12
 
 
-def test_queue_time_counts_the_wait_for_a_batch_slot(model):
-    """metrics["queue_s"]: from submission to first joining the running batch. With one
-    request more than the batch holds, the last waits for a slot: longer than the
-    first, which joined at once, and never past its own first token."""
-    handles = [model.submit(f"Say the number {i}.", max_tokens=12, ignore_eos=True)
-               for i in range(model.plan.max_batch + 1)]
-    results = [h.result() for h in handles]
-    queue = [r.metrics["queue_s"] for r in results]
-    assert all(0 <= q <= r.metrics["ttft_s"] for q, r in zip(queue, results))
-    assert queue[-1] > queue[0] + 0.05  # it waited at least a step or two
+def test_a_request_sharing_a_stable_tier_waits_for_it_to_be_written():
+    """Two agents on one 10-token system prompt: the second is not admitted while the
+    first prefills that tier, then shares it whole."""
+    s = make_scheduler(chunk=16, max_batch=4)
+    system = list(range(100, 110))
+    a = make_request(s, 0, system + [1, 2, 3, 4, 5, 6, 7, 8, 9], tiers=(10, 10))
+    b = make_request(s, 1, system + [9, 8, 7], tiers=(10, 10))
+    s.add(a)
+    s.add(b)
+    out, _ = iterate(s)
+    assert s.running == [a] and list(s.waiting) == [b]
+    assert out.chunk_tokens == system  # a chunk ends at the tier's end
+    iterate(s)
+    assert b in s.running and b.cached_tokens == 10
 
 
-def test_forced_tokens_join_the_output_at_a_step_boundary(model):
-    """force() appends tokens as if generated; generation goes on from them, as a request
-    whose prompt ended with them would."""
-    prompt = "The three primary colors are"
-    ids = model.tokenizer.encode(prompt)
-    plain = model.generate(prompt, max_tokens=24, ignore_eos=True).token_ids
-    forced = model.tokenizer.encode(" Answer:", add_special_tokens=False)
-    h = model.submit(prompt, max_tokens=24, ignore_eos=True)
-    stream = h.tokens()
-    next(stream)
-    h.force(forced)
-    list(stream)
-    out = h.result().token_ids
-    k = next(i for i in range(len(out)) if out[i:i + len(forced)] == forced)
-    assert k >= 1 and out[:k] == plain[:k], "tokens before the forced ones changed"
-    after = model.generate(ids + out[:k + len(forced)], max_tokens=24 - k - len(forced),
-                           ignore_eos=True).token_ids
-    assert out[k + len(forced):] == after and len(out) == 24
-    with pytest.raises(XlrError, match="not running"):
-        h.force(forced)  # it ended
+def test_forced_tokens_join_the_output_before_the_next_step():
+    s = make_scheduler()
+    r = make_request(s, 0, [1, 2, 3], max_tokens=6)
+    s.add(r)
+    iterate(s)
+    s.force(r, [555, 556])
+    out, events = iterate(s)
+    assert r.generated[:3] == [100, 555, 556]
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        s.force(r, [10 ** 6])
 
 
-def test_each_token_is_drawn_under_its_own_steps_mask(model):
-    """A mask that changes every step (5 random tokens allowed at step k), on requests
-    decoding beside a plain one, so steps run ahead and the masks come while they run
-    (Engine._bias_late): each processor is called once per token with the tokens before
-    it, every token is one its step allowed, and greedy tokens are the argmax of the
-    prompt's logits plus that step's mask."""
-    vocab, n = model.config.vocab_size, 12
-
-    def per_step(calls):
-        def processor(generated):
-            calls.append(list(generated))
-            bias = np.full(vocab, -np.inf, np.float32)
-            bias[allowed(len(generated))] = 0.0
-            return bias
-        return processor
-
-    def allowed(k):
-        return np.random.default_rng(100 + k).choice(vocab, 5, replace=False)
-
-    calls = {"greedy": [], "sampled": []}
-    greedy = model.submit(PROMPTS[0], max_tokens=n, ignore_eos=True,
-                          logits_processor=per_step(calls["greedy"]))
-    sampled = model.submit(PROMPTS[1], max_tokens=n, ignore_eos=True, temperature=1.0,
-                           seed=4, logits_processor=per_step(calls["sampled"]))
-    plain = model.submit(PROMPTS[2], max_tokens=3 * n, ignore_eos=True)
-    outs = {"greedy": greedy.result().token_ids, "sampled": sampled.result().token_ids}
-    plain.result()
-    for name, out in outs.items():  # a prompt's chunk steps may ask for its first mask again
-        asked = [c for i, c in enumerate(calls[name]) if not i or c != calls[name][i - 1]]
-        assert asked == [out[:k] for k in range(n)], name
-        assert all(t in allowed(k) for k, t in enumerate(out)), name
-    prompt = model.encode(PROMPTS[0])[0]
-    for k, token in enumerate(outs["greedy"]):
-        logits = model.logits(prompt + outs["greedy"][:k])[-1]
-        ids = allowed(k)
-        assert token == ids[np.argmax(logits[ids])], k
-    _idle(model)
+def test_run_ahead_only_for_the_same_decode_rows_with_nobody_joining():
+    s = make_scheduler(max_batch=2)
+    a = make_request(s, 0, [1, 2, 3], max_tokens=10)
+    s.add(a)
+    out, _ = iterate(s)  # its prompt: a chunk
+    assert not s.can_run_ahead(out)
+    out, _ = iterate(s)
+    assert out.decode == [a] and s.can_run_ahead(out)
+    s.add(make_request(s, 1, [4, 5], max_tokens=2))
+    assert not s.can_run_ahead(out)  # a newcomer may join
 
 
-def test_a_logits_processor_masks_its_request_only(model):
-    """A per-step bias from the request's processor: an allow-list mask keeps every token
-    in the list (the processor sees the tokens so far); a batch neighbour without one is
-    untouched; a processor that raises ends its own request only."""
-    allowed = model.tokenizer.encode(" yes no maybe", add_special_tokens=False)
-    seen = []
+def test_step_rows_carry_positions_pages_and_draw_counts():
+    """Each decode row feeds its last token at its next position, over its own pages,
+    drawing its next token; its pages are reserved before the step."""
+    s = make_scheduler()
+    r = make_request(s, 0, [1, 2, 3, 4, 5], max_tokens=9)
+    s.add(r)
+    iterate(s)
+    iterate(s)
+    out = s.step([r])
+    assert out.tokens == [r.generated[-1]] and out.positions == [6]
+    assert out.draws == [2] and out.tables[0][:2].tolist() == r.seq.pages[:2]
+    assert r.seq.length == 7
 
-    def only_allowed(generated):
-        seen.append(list(generated))
-        bias = np.full(model.config.vocab_size, -np.inf, np.float32)
-        bias[allowed] = 0.0
-        return bias
 
-    def broken(generated):
-        raise RuntimeError("grammar state lost")
+def test_a_failing_logits_processor_ends_its_request_alone():
+    def broken(ids):
+        raise RuntimeError("boom")
 
-    neighbour = model.generate(PROMPTS[0], max_tokens=8, ignore_eos=True).token_ids
-    masked = model.submit("Is the sky blue?", max_tokens=8, temperature=1.0, seed=2,
-                          ignore_eos=True, logits_processor=only_allowed)
-    failing = model.submit(PROMPTS[1], max_tokens=8, ignore_eos=True, logits_processor=broken)
-    other = model.submit(PROMPTS[0], max_tokens=8, ignore_eos=True)
-    out = masked.result().token_ids
-    assert len(out) == 8 and set(out) <= set(allowed)
-    assert seen[-1] == out[:-1]  # called with the tokens so far, before each draw
-    r = failing.result()
-    assert r.finish_reason == "abort" and "grammar state lost" in r.metrics["error"]
-    assert other.result().token_ids == neighbour
-    with pytest.raises(XlrError, match="does not speculate"):
-        model.generate(PROMPTS[0], logits_processor=only_allowed, speculative=NGRAM)
-    _idle(model)
+    s = make_scheduler()
+    good = make_request(s, 0, [1, 2, 3], max_tokens=3)
+    bad = make_request(s, 1, [1, 2, 3], max_tokens=3, logits_processor=broken)
+    s.add(good)
+    s.add(bad)
+    results = drain(s)
+    assert results[1].finish_reason == "abort" and "boom" in results[1].metrics["error"]
+    assert results[0].finish_reason == "length" and len(results[0].token_ids) == 3
+
+
+def test_a_shared_partial_page_is_copied_before_it_is_written():
+    """A request whose prompt ends mid-page shares that page from the cache; its first
+    write there queues a copy-on-write for the device."""
+    s = make_scheduler()
+    prompt = list(range(40, 46))  # one full page and 2 tokens
+    s.add(make_request(s, 0, prompt, max_tokens=1))
+    drain(s)
+    s.kv.take_ops()
+    again = make_request(s, 1, prompt + [99], max_tokens=1)
+    s.add(again)
+    s.prepare()
+    ops = s.kv.take_ops()
+    assert again.cached_tokens == 6
+    assert any(isinstance(op, PageCopy) for op in ops)
+
+
+def test_aborting_a_waiting_request_gives_its_result_and_pages():
+    s = make_scheduler(max_batch=1)
+    a, b = make_request(s, 0, [1, 2]), make_request(s, 1, [3, 4])
+    s.add(a)
+    s.add(b)
+    iterate(s)
+    result = s.abort(b)
+    assert result.finish_reason == "abort" and b not in s.waiting
+    assert held_pages(s) == len(a.seq.pages) > 0  # a still runs

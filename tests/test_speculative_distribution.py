@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import xlr_jax
-from xlr_jax.model.sampling import SamplingParams
-from xlr_jax.speculative.cycle import SpecConfig
+from xlr_jax.model.sampling_params import SamplingParams
+from xlr_jax.speculative.config import SpecConfig
 
 V, EOS = 8, 0
 PROMPT = [1, 5, 2, 7, 3]

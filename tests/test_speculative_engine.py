@@ -6,11 +6,11 @@ import pytest
 
 import xlr_jax
 from xlr_jax.errors import InvalidRequestError, PlanError
-from xlr_jax.kv.paged_kv import PagePool, SequencePages
+from xlr_jax.kv.pages import PagePool, SequencePages
 from xlr_jax.loading.weights import read_config
 from xlr_jax.planning.hardware import HardwareProfile
 from xlr_jax.planning.mapper import draft_bytes
-from xlr_jax.speculative.cycle import SpecConfig
+from xlr_jax.speculative.config import SpecConfig
 
 PROMPT = [1, 5, 2, 7, 3]
 CODE = ("Rename the variables to snake_case and return the code.\n"
@@ -54,7 +54,7 @@ def test_greedy_exact_speculation_equals_greedy_decoding(model):
             assert b.finish_reason == a.finish_reason
         passes = sum(r.metrics["target_passes"] for r in out)
         assert passes < sum(len(r.token_ids) - 1 for r in out)  # it did speculate
-    assert model.engine.pool.refcounts.sum() == 0  # every page given back
+    assert model.engine.kv.pool.refcounts.sum() == 0  # every page given back
 
 
 def test_sampled_ngram_speculation_draws_what_plain_sampling_draws(model):
@@ -78,7 +78,7 @@ def test_sampled_ngram_speculation_draws_what_plain_sampling_draws(model):
         assert other.result().token_ids == solo_stream.token_ids
         assert beside.token_ids == plain.token_ids
         assert beside.metrics["accepted_tokens"] > 0 and cycles() == before
-    assert model.engine.pool.refcounts.sum() == 0
+    assert model.engine.kv.pool.refcounts.sum() == 0
 
 
 def test_device_drafts_verify_as_rows_beside_other_streams(model):
@@ -101,7 +101,7 @@ def test_device_drafts_verify_as_rows_beside_other_streams(model):
         assert beside.token_ids == alone.token_ids and cycles() == before
         assert beside.metrics["draft_tokens"] > 0
         assert beside.metrics["accepted_tokens"] == alone.metrics["accepted_tokens"]
-    assert model.engine.pool.refcounts.sum() == 0
+    assert model.engine.kv.pool.refcounts.sum() == 0
 
 
 def test_a_draft_model_verifies_as_rows_with_its_own_kv(tiny_models):
@@ -120,7 +120,7 @@ def test_a_draft_model_verifies_as_rows_with_its_own_kv(tiny_models):
     assert all(h.result().metrics["accepted_tokens"] > 0 for h in beside)
     assert all(s.result().finish_reason == "length" for s in streams)
     assert cycles() == before
-    assert target.engine.pool.refcounts.sum() == 0
+    assert target.engine.kv.pool.refcounts.sum() == 0
 
 
 @pytest.mark.parametrize("min_agreement", [0, 0.01], ids=["smc", "probation-then-smc"])
@@ -150,22 +150,22 @@ def test_smc_particles_verify_as_rows_beside_other_streams(tiny_models, min_agre
                            [p["log_weight"] for p in ref.particles], atol=1e-4)
         assert got.metrics["log_normalizer"] == pytest.approx(ref.metrics["log_normalizer"],
                                                               abs=1e-3)
-    assert target.engine.pool.refcounts.sum() == 0
+    assert target.engine.kv.pool.refcounts.sum() == 0
 
 
 def test_rows_or_a_cycle_as_measured(tiny_models):
     """A long-context exact request beside one plain stream verifies in cycles of its own
-    (rows measured slower there: runner.ROWS_UP_TO_CONTEXT), beside three as rows; a
+    (rows measured slower there: the plan's rows_up_to_context), beside three as rows; a
     short one as rows beside one. The same tokens every way."""
-    from xlr_jax.speculative.runner import ROWS_FROM_STREAMS, ROWS_UP_TO_CONTEXT
-
     target = load(tiny_models.target, max_context=1024)
+    policy = target.plan.speculative
     spec = {"draft": "self:1", "gamma": 3}
     kw = dict(max_tokens=12, temperature=1.0, ignore_eos=True, seed=4, speculative=spec)
     cycles = lambda: target.stats()["speculative"]["cycles"]  # noqa: E731
     for prompt, streams, in_rows in (
-            (PROMPT * 120, 1, False), (PROMPT * 120, ROWS_FROM_STREAMS, True), (PROMPT, 1, True)):
-        assert (len(prompt) > ROWS_UP_TO_CONTEXT) != in_rows or streams > 1
+            (PROMPT * 120, 1, False), (PROMPT * 120, policy.rows_from_streams, True),
+            (PROMPT, 1, True)):
+        assert (len(prompt) > policy.rows_up_to_context) != in_rows or streams > 1
         alone = target.generate(prompt, **kw)
         before = cycles()
         others = [target.submit(PROMPT[:3], seed=i, max_tokens=150, ignore_eos=True,
@@ -174,15 +174,15 @@ def test_rows_or_a_cycle_as_measured(tiny_models):
         assert all(h.result().finish_reason == "length" for h in others)
         assert beside.token_ids == alone.token_ids
         assert (cycles() == before) == in_rows
-    assert target.engine.pool.refcounts.sum() == 0
+    assert target.engine.kv.pool.refcounts.sum() == 0
 
 
 def test_ngram_speculation_compiles_once_per_bucket(model):
     spec = {"draft": "ngram", "gamma": 4}
     model.generate(CODE, max_tokens=16, speculative=spec)
-    before = model.engine.spec_steps.compilations()
+    before = model.engine.runner.spec_steps.compilations()
     model.generate(CODE, max_tokens=16, speculative=spec)
-    assert model.engine.spec_steps.compilations() == before
+    assert model.engine.runner.spec_steps.compilations() == before
 
 
 def draft_positions(max_tokens: int, gamma: int) -> set[int]:
@@ -230,7 +230,7 @@ def test_smc_weights_are_the_log_ratios_of_the_drafts_kept(tiny_models):
                                    atol=2e-3)
         assert m["log_normalizer"] == pytest.approx(total - np.log(4), abs=2e-3)
     assert stopped_mid_cycle > 0
-    assert target.engine.pool.refcounts.sum() == 0
+    assert target.engine.kv.pool.refcounts.sum() == 0
 
 
 def test_smc_particle_count_follows_free_pages_both_ways(tiny_models):
@@ -249,7 +249,7 @@ def test_smc_particle_count_follows_free_pages_both_ways(tiny_models):
         assert np.isfinite(r.metrics["log_normalizer"])
         grew += any(b > a for a, b in zip(counts, counts[1:]))
     assert grew > 0
-    assert target.engine.pool.refcounts.sum() == 0
+    assert target.engine.kv.pool.refcounts.sum() == 0
 
 
 def test_smc_falls_back_to_exact_speculation_with_a_poor_draft(model):
@@ -268,7 +268,7 @@ def test_smc_falls_back_to_exact_speculation_with_a_poor_draft(model):
     k = kept.metrics
     assert k["smc_fallback"] is None and k["draft_agreement"] is None
     assert set(k["particles"]) == {2} and k["smc_cycles"] == len(k["particles"])
-    assert model.engine.pool.refcounts.sum() == 0
+    assert model.engine.kv.pool.refcounts.sum() == 0
 
 
 def test_smc_particles_that_stop_early_end_cleanly(model):
@@ -283,7 +283,7 @@ def test_smc_particles_that_stop_early_end_cleanly(model):
         assert "\n" not in r.text and r.finish_reason in ("stop", "length")
         stops += r.finish_reason == "stop"
     assert stops > 0
-    assert model.engine.pool.refcounts.sum() == 0
+    assert model.engine.kv.pool.refcounts.sum() == 0
 
 
 def test_rollback_keeps_the_page_pool_consistent():

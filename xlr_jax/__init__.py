@@ -4,11 +4,11 @@ from xlr_jax.errors import (InvalidRequestError, ModelLoadError, OutOfPagesError
                             PromptTooLongError, QueueFullError, TokenizerError,
                             UnsupportedModelError, XlrError)
 from xlr_jax.model.config import ModelConfig
-from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.model.sampling_params import SamplingParams
 from xlr_jax.planning.hardware import HardwareProfile, probe
 from xlr_jax.planning.mapper import ExecutionPlan, Workload, plan
-from xlr_jax.runtime.engine import GenerationResult
-from xlr_jax.runtime.scheduler import RequestHandle
+from xlr_jax.runtime.request import GenerationResult
+from xlr_jax.runtime.loop import RequestHandle
 
 __all__ = ["load_model", "Model", "ModelConfig", "GenerationResult", "SamplingParams",
            "probe", "HardwareProfile", "plan", "ExecutionPlan", "Workload",

@@ -14,19 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlr_jax.errors import InvalidRequestError
-from xlr_jax.kv.prefix_cache import TIERS
 from xlr_jax.kv.tier_store import DEFAULT_QUOTA, TierStore
+from xlr_jax.loading.prompts import PromptEncoder
 from xlr_jax.loading.registry import default_cache_dir, resolve_model
 from xlr_jax.loading.weights import ModelSource, load_weights, open_source
 from xlr_jax.model.decoder import params_from_arrays
 from xlr_jax.model.executables import ExecutableStore, fingerprint
-from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.model.sampling_params import SamplingParams
 from xlr_jax.ops import cpu_kernels
 from xlr_jax.planning.hardware import HardwareProfile, probe
 from xlr_jax.planning.mapper import ExecutionPlan, Workload, draft_bytes, plan
 from xlr_jax.runtime.engine import Engine
-from xlr_jax.runtime.scheduler import RequestHandle, Scheduler
-from xlr_jax.speculative.cycle import Draft, ModelDraft, SpecConfig, resolve_draft
+from xlr_jax.runtime.loop import EngineLoop, RequestHandle
+from xlr_jax.speculative.config import Draft, ModelDraft, SpecConfig, resolve_draft
 
 
 def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
@@ -118,11 +118,10 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     # cached KV is only valid for the same weights, dtype and page layout
     namespace = (f"{loaded.source_hash}-{execution.compute_dtype}-{execution.kv_dtype}"
                  f"-{execution.page_size}")
-    engine = Engine.from_plan(source.config, params, source.tokenizer, execution,
-                              prefix_cache=prefix_cache, cache_namespace=namespace,
-                              tier_store=TierStore(cache_root / "prefix", namespace,
-                                                   prefix_disk_quota))
-    preloaded = engine.use_step_store(store) if store else 0
+    engine = Engine(source.config, params, source.tokenizer, execution,
+                    prefix_cache=prefix_cache, cache_namespace=namespace,
+                    tier_store=TierStore(cache_root / "prefix", namespace, prefix_disk_quota))
+    preloaded = engine.runner.use_step_store(store) if store else 0
     load_info = {"load_s": time.perf_counter() - start, "params_s": loaded.load_s,
                  "params_from_cache": loaded.from_cache,
                  "metadata_from_cache": source.from_cache, "steps_preloaded": preloaded,
@@ -160,7 +159,7 @@ class Model:
     """A loaded model with its tokenizer and KV cache, served by an always-on loop.
 
     Any number of threads may call it at once: each call submits requests to the
-    model's scheduler thread (`xlr_jax.runtime.scheduler`), which batches them with whatever
+    model's loop thread (`xlr_jax.runtime.loop`), which batches them with whatever
     else is running and hands back results as they come.
     """
 
@@ -168,12 +167,13 @@ class Model:
         self.engine, self.plan = engine, plan
         self.config = engine.config
         self.tokenizer = engine.tokenizer
+        self.prompts = PromptEncoder(self.tokenizer, self.config.vocab_size, plan.max_context)
         self.dtype = plan.compute_dtype
         self.load_info = load_info
         self._drafts: dict[str, ModelDraft] = {}
         self._draft_bytes: dict[str, int] = {}  # taken from the plan's memory budget
         self._draft_lock = threading.Lock()
-        self._scheduler = Scheduler(engine, plan.max_waiting)
+        self._loop = EngineLoop(engine, plan.max_waiting)
 
     # ------------------------------------------------------------ generation
 
@@ -195,7 +195,7 @@ class Model:
         ("abort", metrics["error"])."""
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
                                 ignore_eos, stop_token_ids, logprobs, logits_processor)
-        return self._submit([self._encode_any(prompt_or_messages, tools)], params,
+        return self._submit([self.prompts.encode(prompt_or_messages, tools)], params,
                             speculative)[0]
 
     async def agenerate(self, prompt_or_messages, **kwargs):
@@ -218,7 +218,7 @@ class Model:
         context end) tier boundaries. For callers that tokenize on their own worker
         threads and then submit `{"stable": ids[:s], "context": ids[s:c], "volatile":
         ids[c:]}` (the server). Raises as `submit` does (PromptTooLongError...)."""
-        return self._encode_any(prompt_or_messages, tools)
+        return self.prompts.encode(prompt_or_messages, tools)
 
     def _asubmit(self, prompt_or_messages, kwargs) -> RequestHandle:
         """`submit` with the caller's event loop attached (its arguments, checked the same)."""
@@ -230,7 +230,7 @@ class Model:
         bound.apply_defaults()
         a = bound.arguments
         params = self._sampling(*(a[n] for n in SAMPLING_ARGS))
-        return self._submit([self._encode_any(prompt_or_messages, a["tools"])], params,
+        return self._submit([self.prompts.encode(prompt_or_messages, a["tools"])], params,
                             a["speculative"], aio_loop=asyncio.get_running_loop())[0]
 
     def generate(self, prompt_or_prompts, max_tokens: int = 256, temperature: float = 0.0,
@@ -259,7 +259,7 @@ class Model:
             raise InvalidRequestError("no prompts given; pass a string or a list of strings")
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
                                 ignore_eos, stop_token_ids, logprobs, logits_processor)
-        results = [h.result() for h in self._submit([self._encode(p) for p in prompts],
+        results = [h.result() for h in self._submit([self.prompts.encode(p) for p in prompts],
                                                      params, speculative)]
         return results[0] if single else results
 
@@ -270,7 +270,7 @@ class Model:
              stop_token_ids: Sequence[int] | None = None, logprobs: int | None = None):
         """Reply to a conversation ([{"role", "content"}, ...]) or a list of conversations."""
         single = bool(messages) and isinstance(messages[0], dict)
-        encoded = [self._encode_chat(m, tools) for m in ([messages] if single else messages)]
+        encoded = [self.prompts.encode_chat(m, tools) for m in ([messages] if single else messages)]
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
                                 False, stop_token_ids, logprobs)
         results = [h.result() for h in self._submit(encoded, params, speculative)]
@@ -287,7 +287,7 @@ class Model:
         text at the end: particles change until then.)"""
         params = self._sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
                                 ignore_eos, stop_token_ids)
-        encoded = self._encode_chat(prompt) if chat else self._encode(prompt)
+        encoded = self.prompts.encode_chat(prompt) if chat else self.prompts.encode(prompt)
         handle = self._submit([encoded], params, speculative)[0]
         yield from handle
         if result is not None:
@@ -297,27 +297,22 @@ class Model:
         """One snapshot, taken between steps: requests running and waiting, and the
         engine's counters (see Engine.stats: KV pages, preemptions, steps and their
         time, speculative totals, prefix-cache queries and hits per tier)."""
-        return self._scheduler.call(lambda: {**self._scheduler.counts(),
+        return self._loop.call(lambda: {**self._loop.counts(),
                                              **self.engine.stats()})
 
     def shutdown(self) -> None:
         """Stop the model's loop: requests in flight end with finish_reason "abort" and
         give their pages back; later calls raise. (Interpreter exit does this too.)"""
-        self._scheduler.shutdown()
+        self._loop.shutdown()
 
     def chat_prompt(self, messages, tools: list | None = None) -> str:
-        if self.tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer (no tokenizer.json); "
-                                      "pass token ids to generate() instead of messages")
-        if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise InvalidRequestError('messages must be a non-empty list of {"role": ..., '
-                                      '"content": ...} dicts')
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        """The conversation rendered by the chat template, ready for the assistant's turn."""
+        return self.prompts.chat_prompt(messages, tools)
 
     def logits(self, prompt) -> np.ndarray:
         """Next-token logits [prompt_tokens, vocab] (f32) at every prompt position."""
-        ids = self.engine.encode_prompt(prompt)
-        return self._scheduler.call(lambda: self.engine.logits(ids))
+        ids = self.prompts.ids(prompt)
+        return self._loop.call(lambda: self.engine.logits(ids))
 
     # ------------------------------------------------------------ helpers
 
@@ -335,48 +330,6 @@ class Model:
                                   logits_processor=logits_processor)
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"invalid sampling value: {e}") from e
-
-    def _encode_any(self, prompt_or_messages, tools=None) -> tuple[list[int], tuple[int, int]]:
-        """A prompt's or a conversation's ids and tiers."""
-        p = prompt_or_messages
-        if isinstance(p, (list, tuple)) and p and all(isinstance(m, dict) for m in p):
-            return self._encode_chat(list(p), tools)
-        return self._encode(p)
-
-    def _encode(self, prompt) -> tuple[list[int], tuple[int, int]]:
-        """Token ids and (stable end, context end) tier boundaries of a prompt."""
-        if not isinstance(prompt, dict):
-            return self.engine.encode_prompt(prompt), (0, 0)
-        unknown = set(prompt) - set(TIERS)
-        if unknown:
-            raise InvalidRequestError(f"unknown prompt tier(s) {sorted(unknown)}; a tiered "
-                                      f"prompt has the keys {', '.join(TIERS)}")
-        ids, ends = [], []
-        for tier in TIERS:
-            part = prompt.get(tier)
-            if part:  # each tier tokenized alone: its boundary is exact (BOS only first)
-                piece = self.engine.encode_prompt(part, bos=not ids)
-                ids += piece
-            ends.append(len(ids))
-        self.engine.check_prompt(ids)
-        return ids, (ends[0], ends[1])
-
-    def _encode_chat(self, messages, tools=None) -> tuple[list[int], tuple[int, int]]:
-        """A conversation's ids and tiers: system messages (and tools) are stable, earlier
-        turns context, the last message volatile."""
-        ids = self.engine.encode_prompt(self.chat_prompt(messages, tools))
-        lead = 0
-        while lead < len(messages) and messages[lead].get("role") == "system":
-            lead += 1
-        ends = []
-        for upto in (lead, len(messages) - 1):
-            if upto <= 0:
-                ends.append(0)
-                continue
-            head = self.tokenizer.encode(self.tokenizer.apply_chat_template(
-                messages[:upto], add_generation_prompt=False, tools=tools))
-            ends.append(_common_prefix(head, ids))
-        return ids, (ends[0], max(ends))
 
     def _speculation(self, speculative) -> tuple[SpecConfig | None, Draft | None]:
         """The validated spec and its draft (a draft model is loaded once, then kept)."""
@@ -411,20 +364,19 @@ class Model:
         """Queue encoded prompts as requests, speculating as `speculative` says; refusals
         raise here, in the caller's thread."""
         spec, draft = self._speculation(speculative)
-        requests = [self.engine.request(self._scheduler.new_id(), ids, params, tiers,
+        requests = [self.engine.request(self._loop.new_id(), ids, params, tiers,
                                         spec, draft)
                     for ids, tiers in encoded]
-        return self._scheduler.submit(requests, aio_loop)
+        return self._loop.submit(requests, aio_loop)
 
     @property
     def prefix_cache(self):
         """The engine's PrefixCache (`.stats()`, `.register_stable()`...), None when off."""
-        return self.engine.prefix_cache
+        return self.engine.kv.cache
 
     def warmup(self, progress: bool = True) -> list[dict]:
         """Compile every bucket of the plan now (see Steps.warmup); returns compile times."""
-        e = self.engine
-        return self._scheduler.call(lambda: e.steps.warmup(e.params, e.kv, progress))
+        return self._loop.call(lambda: self.engine.runner.warmup(progress))
 
     def info(self) -> dict:
         c, e = self.config, self.engine
@@ -433,16 +385,12 @@ class Model:
             "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
             "ffn_size": c.intermediate_size, "vocab_size": c.vocab_size,
             "max_context": e.max_context, "tied_embeddings": c.tie_embeddings,
-            "parameters": c.num_params(), "param_bytes": e.params.nbytes(),
+            "parameters": c.num_params(), "param_bytes": e.runner.params.nbytes(),
             # the Execution Plan, plus the KV actually allocated
-            "plan": {**self.plan.to_dict(), "dtype": self.dtype, "kv_bytes": e.kv.nbytes()},
+            "plan": {**self.plan.to_dict(), "dtype": self.dtype,
+                     "kv_bytes": e.runner.kv.nbytes()},
             "load": self.load_info,
         }
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _is_token_list(x) -> bool:

@@ -18,7 +18,9 @@ from xlr_jax.api import load_model
 from xlr_jax.loading.registry import resolve_model
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import LayerParams, Params
-from xlr_jax.model.sampling import SamplingParams
+from xlr_jax.model.sampling_params import SamplingParams
+from xlr_jax.planning.hardware import probe
+from xlr_jax.planning.mapper import Workload, plan
 from xlr_jax.runtime.engine import Engine
 
 
@@ -45,11 +47,11 @@ class XlrRunner:
                                         "token - run start (prefill), decode_tokens_per_s = "
                                         "(n - 1) / (last token - first token)"}
         self.vocab_size = engine.config.vocab_size
-        params, c = engine.params, engine.config
+        params, c = engine.runner.params, engine.config
         # An untied embedding is only gathered (one row per token); the LM head is read whole.
         self.weight_bytes_per_token = params.nbytes() - (
             0 if params.lm_head is None else params.embed.nbytes)
-        self.kv_bytes_per_position = c.kv_values_per_token() * engine.kv.k.dtype.itemsize
+        self.kv_bytes_per_position = c.kv_bytes_per_token(engine.runner.kv.k.dtype.itemsize)
 
     def encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
@@ -80,11 +82,12 @@ def load_xlr(spec: dict) -> XlrRunner:
                        attn_impl=spec.get("attn_impl", "auto"),
                        linear_impl=spec.get("linear_impl", "auto"),
                        max_step_tokens=spec.get("max_step_tokens"))
-    info = {"model": spec["model"], "dtype": model.dtype, "param_bytes": model.engine.params.nbytes(),
-            "attn_impl": model.engine.steps.attn_impl, "linear_impl": model.plan.linear_impl,
+    info = {"model": spec["model"], "dtype": model.dtype,
+            "param_bytes": model.engine.runner.params.nbytes(),
+            "attn_impl": model.plan.attn_impl, "linear_impl": model.plan.linear_impl,
             "max_step_tokens": model.plan.max_step_tokens,
             "compiler_options": model.plan.compiler_options,
-            "prefix_cache": model.engine.prefix_cache is not None,
+            "prefix_cache": model.prefix_cache is not None,
             "check_targets": spec.get("check_targets", True)}
     return XlrRunner(spec.get("label", "xlr-jax"), model.engine, info)
 
@@ -110,13 +113,15 @@ def random_xlr(spec: dict) -> XlrRunner:
     dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
     config = ModelConfig(**spec["shape"])
     page_size = spec.get("page_size", 64)
-    engine = Engine(config, random_params(config, dtype, spec.get("seed", 0)), None,
-                    page_size=page_size, num_pages=2 * -(-config.max_context // page_size) + 1,
-                    max_batch=1, prefill_chunk=spec.get("prefill_chunk", 512),
-                    max_context=config.max_context, kv_dtype=dtype, prefix_cache=False)
+    p = plan(probe(), config, Workload(max_batch=1, prefill_chunk=spec.get("prefill_chunk", 512),
+                                       max_context=config.max_context),
+             dtype=dtype.name, page_size=page_size,
+             num_pages=2 * -(-config.max_context // page_size) + 1)
+    engine = Engine(config, random_params(config, dtype, spec.get("seed", 0)), None, p,
+                    prefix_cache=False)
     info = {"model": f"random {config.architecture} weights", "dtype": dtype.name,
-            "shape": spec["shape"], "param_bytes": engine.params.nbytes(),
-            "attn_impl": engine.steps.attn_impl}
+            "shape": spec["shape"], "param_bytes": engine.runner.params.nbytes(),
+            "attn_impl": engine.runner.steps.attn_impl}
     return XlrRunner(spec.get("label", "xlr-jax-random"), engine, info)
 
 

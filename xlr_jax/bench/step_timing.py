@@ -26,7 +26,7 @@ def row_tables(engine, width: int, rows: int, seen: int) -> list[np.ndarray]:
     """Block tables of `width` pages for `rows` rows, row j on a run of `seen` pages of its
     own after row j - 1's (page 0, the scratch page, is skipped); the pages hold whatever
     they hold, which does not change a step's cost."""
-    pages = engine.kv.k.shape[1]
+    pages = engine.runner.kv.num_pages
     return [(np.arange(width, dtype=np.int32) + j * seen) % (pages - 1) + 1
             for j in range(rows)]
 
@@ -34,10 +34,10 @@ def row_tables(engine, width: int, rows: int, seen: int) -> list[np.ndarray]:
 def step_batch(model, steps, decode_rows: int, chunk: int, position: int):
     """A StepBatch (for `steps`' buckets) of `decode_rows` random tokens at `position`,
     each row on pages of its own, and a `chunk`-token random chunk from there."""
-    from xlr_jax.model.sampling import SamplingParams
+    from xlr_jax.model.sampling_params import SamplingParams
 
     engine = model.engine
-    seen = -(-(position + chunk + 1) // engine.kv.page_size)
+    seen = -(-(position + chunk + 1) // engine.runner.kv.page_size)
     tables = row_tables(engine, steps.buckets.table_width, decode_rows + 1, seen)
     builder = steps.builder(decode_rows, chunk)
     rng = np.random.default_rng(0)
@@ -50,26 +50,18 @@ def step_batch(model, steps, decode_rows: int, chunk: int, position: int):
     return builder.build()
 
 
-def step_runner(model, steps, decode_rows: int, chunk: int, position: int, state: dict):
-    """fn() running one compiled step (`steps`) of `step_batch`'s batch; the KV is
-    threaded through `state` (every step donates it)."""
+def step_runner(model, steps, decode_rows: int, chunk: int, position: int):
+    """fn() running one compiled step (`steps`, over the model's params) of `step_batch`'s
+    batch on the model's KV (`ModelRunner.run_step`)."""
     import jax
 
     batch = step_batch(model, steps, decode_rows, chunk, position)
-
-    def run():
-        token, *_, state["kv"] = steps.step(model.engine.params, state["kv"], batch)
-        jax.block_until_ready(token)
-    return run
+    return lambda: jax.block_until_ready(model.engine.runner.run_step(batch, steps))
 
 
 def time_steps(model, steps: dict, shapes, position: int, rounds: int) -> dict:
     """{(decode rows, chunk): {name: median seconds}} of each shape's step by each of
     `steps` (name -> Steps over the model's params and KV), taking turns in every round."""
-    state = {"kv": model.engine.kv}
-    try:
-        return {(rows, chunk): timed({name: step_runner(model, st, rows, chunk, position, state)
-                                      for name, st in steps.items()}, rounds)
-                for rows, chunk in shapes}
-    finally:
-        model.engine.kv = state["kv"]  # the last step's: the engine's was donated
+    return {(rows, chunk): timed({name: step_runner(model, st, rows, chunk, position)
+                                  for name, st in steps.items()}, rounds)
+            for rows, chunk in shapes}

@@ -81,7 +81,7 @@ def _load_summary(info: dict) -> str:
 
 def _spec(text: str) -> dict:
     """--spec parsed and validated while the arguments are read, before the model loads."""
-    from xlr_jax.speculative.cycle import SpecConfig
+    from xlr_jax.speculative.config import SpecConfig
 
     try:
         return SpecConfig.from_cli(text)

@@ -1,4 +1,4 @@
-"""The paged KV cache: a device pytree of pages plus the host-side page pool.
+"""The paged KV cache on the device: a pytree of pages, and the programs that move them.
 
 Device layout: `PagedKV.k` and `PagedKV.v` are
     [layers, num_pages, kv_heads, page_size, head_dim]
@@ -11,27 +11,16 @@ Quantized KV: with an int8 or fp8 page dtype, `k_scale`/`v_scale`
 [layers, num_pages, kv_heads, page_size] hold one f32 scale per token and head
 (stored value * scale = K/V); `write_layer` quantizes, the attention dequantizes.
 
-Page 0 is a scratch page: it is never handed out, padded batch rows and padded
-chunk positions write into it, and block tables are padded with it.
-
-Host side: `PagePool` owns the free list and refcounts; a `SequencePages` is one
-sequence's block table (its page ids in order) and length. Pages may be shared
-between sequences (refcount > 1); a shared page is never written: before a
-sequence appends into a shared partial page, `SequencePages.reserve` gives it a
-private copy (copy-on-write) and reports the (src, dst) copy for the device.
+Page 0 is a scratch page (`pages.SCRATCH_PAGE`): it is never handed out, padded batch
+rows and padded chunk positions write into it, and block tables are padded with it.
+Which page holds what is the host's business (`xlr_jax.kv.pages`, `xlr_jax.kv.manager`).
 """
 from __future__ import annotations
 
-from collections import deque
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from xlr_jax.errors import OutOfPagesError
 from xlr_jax.pytree import pytree_dataclass
-
-SCRATCH_PAGE = 0
 
 
 # largest magnitude a quantized page dtype stores
@@ -133,133 +122,3 @@ def leaves(kv: PagedKV) -> dict:
     """The pytree's arrays by name, quantization scales included when present."""
     names = ("k", "v", "k_scale", "v_scale")
     return {n: getattr(kv, n) for n in names if getattr(kv, n) is not None}
-
-
-class PagePool:
-    """Free list and refcounts of the device pages (page 0 is reserved).
-
-    With a prefix cache attached (`cache`), a page whose refcount drops to 0
-    stays cached if the cache indexes it, and `allocate` evicts cached pages
-    (least recently used, never pinned ones) when the free list runs short.
-    """
-
-    def __init__(self, num_pages: int, page_size: int):
-        if num_pages < 2:
-            raise ValueError("a page pool needs at least 2 pages (page 0 is scratch)")
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.refcounts = np.zeros(num_pages, np.int32)
-        self._free = deque(range(1, num_pages))
-        self.cache = None
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_available(self) -> int:
-        """Free pages plus cached ones that may be evicted."""
-        return len(self._free) + (self.cache.evictable if self.cache else 0)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free) and self.cache:
-            self.cache.evict(n - len(self._free))
-        if n > len(self._free):
-            raise OutOfPagesError(
-                f"need {n} KV pages but only {len(self._free)} of {self.num_pages - 1} "
-                "are free; shorten the prompt or max_tokens, lower the batch, or "
-                "load the model with more KV pages (num_pages=...)")
-        pages = [self._free.popleft() for _ in range(n)]
-        self.refcounts[pages] = 1
-        return pages
-
-    def incref(self, pages) -> None:
-        for p in pages:
-            assert self.refcounts[p] > 0, f"page {p} is not allocated"
-            self.refcounts[p] += 1
-
-    def decref(self, pages) -> None:
-        for p in pages:
-            assert self.refcounts[p] > 0, f"page {p} freed twice"
-            self.refcounts[p] -= 1
-            if self.refcounts[p] == 0 and not (self.cache and self.cache.retain(p)):
-                self._free.append(p)
-
-    def release_to_free(self, page: int) -> None:
-        """A cached page at refcount 0 the cache lets go of."""
-        assert self.refcounts[page] == 0, f"page {page} is in use"
-        self._free.append(page)
-
-    def check(self, sequences) -> None:
-        """The pool's invariants (a debug check; tests turn it on): each page's refcount is
-        the number of `sequences` holding it, and every page but the scratch one is
-        exactly one of free, held, or cached at refcount 0."""
-        held = np.zeros(self.num_pages, np.int32)
-        for seq in sequences:
-            np.add.at(held, np.asarray(seq.pages, np.int64), 1)
-        assert (held[1:] == self.refcounts[1:]).all(), "a refcount differs from its holders"
-        free = list(self._free)
-        assert len(set(free)) == len(free) and 0 not in free, "the free list repeats a page"
-        idle = {p for p in range(1, self.num_pages) if self.refcounts[p] == 0}
-        cached = {p for p in idle if self.cache and self.cache.holds(p)}
-        assert not set(free) & cached, "a free page is still cached"
-        assert set(free) | cached == idle, "a page at refcount 0 is neither free nor cached"
-
-    def is_shared(self, page: int) -> bool:
-        """Writing the page would change what another reader sees: copy it first."""
-        return self.refcounts[page] > 1 or bool(self.cache and self.cache.holds(page))
-
-
-class SequencePages:
-    """One sequence's block table and length over a `PagePool`."""
-
-    def __init__(self, pool: PagePool):
-        self.pool = pool
-        self.pages: list[int] = []
-        self.length = 0
-
-    def fork(self) -> "SequencePages":
-        """A new sequence sharing every page of this one (refcounts bumped)."""
-        child = SequencePages(self.pool)
-        child.pages = list(self.pages)
-        child.length = self.length
-        self.pool.incref(child.pages)
-        return child
-
-    def pages_to_reserve(self, new_length: int) -> int:
-        """Pages `reserve(new_length)` would allocate (new ones, and a copy of a shared
-        partial last page)."""
-        size = self.pool.page_size
-        shared_tail = bool(self.length % size) and self.pool.is_shared(self.pages[-1])
-        return max(0, -(-new_length // size) - len(self.pages)) + shared_tail
-
-    def reserve(self, new_length: int) -> list[tuple[int, int]]:
-        """Make room to write positions [length, new_length); returns COW copies (src, dst)."""
-        size = self.pool.page_size
-        shared_tail = bool(self.length % size) and self.pool.is_shared(self.pages[-1])
-        fresh = self.pool.allocate(self.pages_to_reserve(new_length))  # all or nothing
-        copies = []
-        if shared_tail:
-            copies.append((self.pages[-1], fresh[0]))
-            self.pool.decref([self.pages[-1]])
-            self.pages[-1] = fresh.pop(0)
-        self.pages += fresh
-        return copies
-
-    def trim(self, length: int) -> None:
-        """Keep positions [0, length) (drop rejected speculative tokens): pages past the
-        new end go back to the pool; nothing is copied."""
-        assert 0 <= length <= len(self.pages) * self.pool.page_size, "trim past the pages held"
-        keep = -(-length // self.pool.page_size)
-        self.pool.decref(self.pages[keep:])
-        del self.pages[keep:]
-        self.length = length
-
-    def release(self) -> None:
-        self.pool.decref(self.pages)
-        self.pages, self.length = [], 0
-
-    def block_table(self, width: int) -> np.ndarray:
-        row = np.full(width, SCRATCH_PAGE, np.int32)
-        row[:len(self.pages)] = self.pages
-        return row

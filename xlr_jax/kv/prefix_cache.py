@@ -86,7 +86,7 @@ class PrefixCache:
         self.max_pinned_pages = int(max_pinned_share * (pool.num_pages - 1))
         self.tiers = {t: TierCount() for t in TIERS}
         self.requests = 0
-        pool.cache = self
+        pool.attach_cache(self)
 
     # ---- lookups
     def match(self, tokens, limit: int, take: bool = True) -> tuple[list[int], int]:
@@ -112,7 +112,7 @@ class PrefixCache:
         for page in pages if take else ():
             if self.pool.refcounts[page] == 0:  # revived from the LRU
                 self._lru.pop(page, None)
-                self.pool.refcounts[page] = 1
+                self.pool.revive(page)
             else:
                 self.pool.incref([page])
         return pages, covered

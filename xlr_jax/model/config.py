@@ -94,6 +94,15 @@ class ModelConfig:
         """Cached values per token, all layers."""
         return self.num_layers * (self.kv_latent_dim or 2 * self.kv_size)
 
+    def kv_bytes_per_token(self, value_bytes: float) -> float:
+        """KV bytes a cached token takes, all layers, at `value_bytes` a value: quantized
+        pages (a byte a value, int8 or fp8) also hold an f32 scale per token, head and K/V
+        (`kv.paged_kv`). The one count of it: the plan's pages, the roofline and the
+        benchmarks use it."""
+        values = self.kv_values_per_token()
+        scales = values // self.head_dim * 4 if value_bytes <= 1 else 0
+        return values * value_bytes + scales
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 

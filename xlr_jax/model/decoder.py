@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlr_jax.kv.paged_kv import SCRATCH_PAGE, PagedKV, write_layer
+from xlr_jax.kv.paged_kv import PagedKV, write_layer
+from xlr_jax.kv.pages import SCRATCH_PAGE
 from xlr_jax.model.config import ModelConfig, RopeScaling
 from xlr_jax.ops import cpu_kernels, cpu_linear, paged_attention, resolve_impl
 from xlr_jax.pytree import pytree_dataclass
-from xlr_jax.runtime.step_batch import StepBatch
+from xlr_jax.model.step_batch import StepBatch
 
 
 @pytree_dataclass

@@ -23,8 +23,8 @@ from xlr_jax.model.decoder import Params, RowProducts, forward, forward_step, lm
 from xlr_jax.model.executables import ExecutableStore, compile_fresh
 from xlr_jax.model.sampling import row_logprobs, sample_rows
 from xlr_jax.ops import cpu_kernels
-from xlr_jax.planning.mapper import Buckets, pick_bucket
-from xlr_jax.runtime.step_batch import StepBatch, StepBuilder
+from xlr_jax.planning.buckets import Buckets, pick_bucket
+from xlr_jax.model.step_batch import StepBatch, StepBuilder
 
 
 def _step(params: Params, kv: PagedKV, batch: StepBatch, *, config: ModelConfig,

@@ -8,9 +8,7 @@ overridden; an override that cannot fit is refused with the numbers.
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -22,6 +20,7 @@ from xlr_jax.errors import PlanError
 from xlr_jax.kv.paged_kv import is_quantized
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.ops import IMPLS, cpu_attention, cpu_kernels, cpu_linear, walk_sizes
+from xlr_jax.planning.buckets import (ATTN_BLOCK_PAGES, REDUCE_ROWS, Buckets, buckets_for)
 from xlr_jax.planning.hardware import HardwareProfile
 
 log = logging.getLogger(__name__)
@@ -34,8 +33,6 @@ KV_DTYPE_NAMES = {**DTYPE_NAMES, "int8": "int8", "fp8": "float8_e4m3fn",
 WAITING_PER_SLOT = 32      # default max_waiting per max_batch slot
 MAX_PREEMPTIONS = 2        # a request preempted this often is protected: it runs to the end
 MAX_PINNED_SHARE = 0.5     # stable tiers pinning more of the pool unpin LRU-first
-ATTN_BLOCK_PAGES = 16      # XLA attention's largest piece of a row's pages
-REDUCE_ROWS = 16           # XLA:CPU: products of up to this many rows as multiply-sums
 LINEAR_IMPLS = ("auto", "xla", "cpu")
 CPU_STEP_CHUNK = 64        # XLA:CPU: prompt tokens a step carries beside decode rows
 CPU_STEP_COST = 16         # XLA:CPU: a step's cost beyond its chunk's tokens, in tokens
@@ -59,6 +56,21 @@ class SpeculativePolicy:
     gamma: int                     # draft tokens proposed per cycle
     particle_cap: int              # SMC particles at most
     rule: str
+    # a speculating request verifies as rows of the ragged step (not a cycle of its own)
+    # beside at least this many plain streams, or with a context of at most this many
+    # tokens (or when the step carries a prefill chunk): see ROWS_RULE
+    rows_from_streams: int = 3
+    rows_up_to_context: int = 512
+
+
+# Where rows of the ragged step beat a cycle of its own (experiments/verify_rows.py, gamma 4,
+# one loop iteration, the CPU): from 3 plain streams on, at 300 tokens from 1 (n-gram
+# 0.61-0.82 of the cycle's time, self:20 0.79-0.98); at 1,000 tokens with 1 stream the cycle
+# wins (rows 1.05x, self:20 1.31x): each decode row walks the context's pages on its own.
+ROWS_RULE = ("verify as rows of the ragged step beside 3+ plain streams, at a context of "
+             "512 tokens or less, or beside a prefill chunk; else a cycle of its own "
+             "(measured on the CPU by experiments/verify_rows.py; the GPU keeps the rule "
+             "unmeasured)")
 
 
 @dataclass(frozen=True)
@@ -155,89 +167,12 @@ def particles_for(free_pages: int, context_len: int, gamma: int, *, page_size: i
     return max(1, min(cap, 1 + usable // particle_pages(context_len, gamma, page_size)))
 
 
-def pick_bucket(n: int, sizes: tuple[int, ...]) -> int:
-    """The smallest bucket >= n (sizes sorted ascending)."""
-    i = bisect.bisect_left(sizes, n)
-    if i == len(sizes):
-        raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
-    return sizes[i]
-
-
-@functools.lru_cache(maxsize=4096)
-def first_chunk(left: int, sizes: tuple[int, ...], step_cost: int) -> int:
-    """The chunk bucket for the first piece of `left` prompt tokens prefilled alone, where a
-    step costs its bucket's tokens plus `step_cost`: whole chunks while they fill, then the
-    cheapest way through the tail in buckets, the last one padded (a tail of 171 at cost
-    16: 128 then 64, 208 tokens' worth against 272 for one padded 256). Ties go to the
-    larger bucket (fewer steps); a step_cost of 0 pads the tail into one bucket."""
-    if step_cost <= 0 or left >= sizes[-1]:
-        return sizes[-1]
-    best, choice = [0] * (left + 1), [0] * (left + 1)  # best[n]: the cost of n tokens
-    for n in range(1, left + 1):
-        cost, larger = min((c + step_cost + best[max(0, n - c)], -c) for c in sizes)
-        best[n], choice[n] = cost, -larger
-    return choice[left]
-
-
-@dataclass(frozen=True)
-class Buckets:
-    """The shapes steps compile for (decided by `buckets_for`, here only)."""
-    batch: tuple[int, ...]   # decode rows (and speculative rows)
-    chunk: tuple[int, ...]   # prefill chunk lengths; the last is the chunk size
-    pages: tuple[int, ...]   # block-table widths of speculative cycles and scoring
-    attn_block: int = ATTN_BLOCK_PAGES  # pages the ragged step's attention reads at a time
-    # a step's weight products of 2..reduce_rows rows are a multiply and a sum, not a dot
-    # (0: always a dot): XLA:CPU's dot of 2-8 rows costs 2-3x a matrix-vector product's
-    reduce_rows: int = 0
-    # products of 2..kernel_rows rows by the CPU kernel (ops.cpu_linear) where it takes
-    # them, before reduce_rows applies (0: no kernel)
-    kernel_rows: int = 0
-
-    @property
-    def table_width(self) -> int:
-        """The ragged step's block-table width: the widest table, in whole blocks."""
-        return -(-self.pages[-1] // self.attn_block) * self.attn_block
-
-
-def buckets_for(max_batch: int, prefill_chunk: int, max_pages: int, dense: bool) -> Buckets:
-    """The buckets of a plan's sizes: decode rows, a power of two up to max_batch; chunks,
-    a power of two from 16 to prefill_chunk; block-table widths up to `max_pages` (see
-    `page_width_buckets`). Dense (CPU) plans also take a step's products of up to 16
-    rows as multiply-sums (Buckets.reduce_rows)."""
-    return Buckets(powers_of_two_upto(max_batch), powers_of_two_upto(prefill_chunk, start=16),
-                   page_width_buckets(max_pages, dense), reduce_rows=REDUCE_ROWS if dense else 0)
-
-
-def page_width_buckets(max_pages: int, dense: bool) -> tuple[int, ...]:
-    """Block-table widths. Dense (CPU): every 2 pages up to 32, then ~1.25x, because the
-    XLA reference reads the whole width (measured ~4.3 ms per 1k positions on 2 cores).
-    Sparse (GPU): powers of two, since the kernel skips pages past each row's length."""
-    sizes = [min(2, max_pages)]
-    while sizes[-1] < max_pages:
-        if dense:
-            step = 2 if sizes[-1] < 32 else sizes[-1] // 4
-            sizes.append(min(sizes[-1] + step, max_pages))
-        else:
-            sizes.append(min(sizes[-1] * 2, max_pages))
-    return tuple(sizes)
-
-
-def powers_of_two_upto(n: int, start: int = 1) -> tuple[int, ...]:
-    sizes = [min(start, n)]
-    while sizes[-1] < n:
-        sizes.append(min(sizes[-1] * 2, n))
-    return tuple(sizes)
-
-
 def _itemsize(dtype_name: str) -> int:
     return jnp.dtype(dtype_name).itemsize
 
 
 def page_bytes(config: ModelConfig, page_size: int, kv_dtype: str) -> int:
-    values = config.kv_values_per_token() * page_size
-    # one f32 scale per token, head and K/V
-    scales = values // config.head_dim * 4 if is_quantized(kv_dtype) else 0
-    return values * _itemsize(kv_dtype) + scales
+    return int(config.kv_bytes_per_token(_itemsize(kv_dtype))) * page_size
 
 
 def activation_bytes(config: ModelConfig, max_batch: int, chunk: int, max_context: int,
@@ -438,7 +373,8 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
     spec = SpeculativePolicy(
         draft=workload.draft, gamma=4, particle_cap=8 if gpu else 4,
         rule="N = 1 + (free pages - 10% headroom) // pages per extra particle "
-             "(its partial page + gamma + 1 tokens), clamped to [1, min(cap, max_batch)]")
+             "(its partial page + gamma + 1 tokens), clamped to [1, min(cap, max_batch)]; "
+             + ROWS_RULE)
     waiting = choose("max_waiting", workload.max_waiting, WAITING_PER_SLOT * batch,
                      f"{WAITING_PER_SLOT} queued requests per batch slot: a burst is absorbed, "
                      "a flood is refused at once (QueueFullError) instead of timing out")

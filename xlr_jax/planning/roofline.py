@@ -80,7 +80,7 @@ def estimate(c: ModelConfig, hw: HardwareProfile, *, prompt: int, batch: int = 1
              name: str = "model") -> dict:
     """Prefill of `prompt` tokens x `batch` sequences, and one decode step at `context`."""
     context = prompt if context is None else context
-    kv_token = c.kv_values_per_token() * kv_bytes
+    kv_token = c.kv_bytes_per_token(kv_bytes)
     matmul = c.active_matmul_params()
     lm_head = c.embed_params()
     tokens = batch * prompt

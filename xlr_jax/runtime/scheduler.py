@@ -1,390 +1,373 @@
-"""The always-on engine loop: requests from any thread, results as they come.
+"""The scheduler: which requests run, which wait, and what each step carries. Host policy
+only; it imports no jax and owns no device state.
 
-One scheduler thread per loaded model drives the engine. Callers `submit`
-requests (tokenized in their own thread) into a bounded inbox; the loop takes
-them between device steps, so a request joins a running batch instead of
-waiting for it to end, and hands each request's text, token ids and result to
-its `RequestHandle` as they come. Nothing holds a lock across a yield to the
-caller: a handle's consumer only reads a queue.
+A step (`SchedulerOutput`) carries one token of each running plain request (a decode
+row), at most one prefill chunk (of the oldest request still prefilling), and the rows of
+speculating requests verifying their drafts (`xlr_jax.speculative.runner` proposes them).
+Between steps the scheduler accepts forced tokens, admits waiting requests in order while
+their pages fit (`KVManager.admit`), finds every running request its next page, preempting
+the most recently admitted plain request when the pool runs short, and asks the requests'
+logits processors for their masks. After a step, `update` takes what the model runner read
+back (`RunnerOutput`): a token for each decode row still running, the first token of a
+request whose prompt the chunk completed; it publishes prompts to the prefix cache and
+turns finished requests into results.
 
-Every request, plain or speculating, joins the one engine loop (`Engine.serve`)
-between its steps, in the order it was submitted.
-
-The thread holds only a weak reference to the scheduler while idle, so a model
-nobody references is collected (its thread then exits); `shutdown()` and
-interpreter exit end every request in flight with finish_reason "abort" and
-wait for the loop to stop.
+The scheduler is tested without a model (`tests/test_scheduler.py`): hand-made runner
+outputs, milliseconds a test.
 """
 from __future__ import annotations
 
-import asyncio
-import atexit
 import itertools
-import queue
-import threading
-import weakref
+import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
-from xlr_jax.errors import InvalidRequestError, QueueFullError, XlrError
+import numpy as np
 
-_DONE = object()  # the last event of a request's stream
+from xlr_jax.errors import InvalidRequestError, OutOfPagesError
+from xlr_jax.kv.manager import KVManager
+from xlr_jax.model.sampling_params import SamplingParams
+from xlr_jax.planning.buckets import Buckets, chunk_room
+from xlr_jax.runtime.request import Request
 
-
-class _Channel:
-    """What the loop tells one request's consumer: events in order, then the result."""
-
-    def __init__(self, aio_loop: asyncio.AbstractEventLoop | None = None):
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.result = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.aio_loop = aio_loop
-        self.aio_events: asyncio.Queue | None = asyncio.Queue() if aio_loop else None
-
-    def push(self, event) -> None:
-        self.events.put(event)
-        if self.aio_loop is not None:
-            try:
-                self.aio_loop.call_soon_threadsafe(self.aio_events.put_nowait, event)
-            except RuntimeError:  # the caller's event loop is closed: nobody listens
-                pass
-
-    def finish(self, result=None, error: BaseException | None = None) -> None:
-        if self.done.is_set():
-            return
-        self.result, self.error = result, error
-        self.done.set()
-        self.push(_DONE)
+# (request index, new text, GenerationResult or None): what the engine hands its callers
+Event = tuple[int, str, Any]
 
 
-class RequestHandle:
-    """One submitted request. Iterate it for text pieces (`tokens()` for token ids);
-    `result()` blocks for the `GenerationResult`; `cancel()` stops it and frees its
-    pages. A handle dropped unfinished cancels its request; so does closing, or
-    dropping, an iterator over it before the end."""
+@dataclass
+class SchedulerOutput:
+    """One step, decided: its rows and its chunk, as the model runner builds them.
 
-    def __init__(self, request_id: int, channel: _Channel, scheduler: "Scheduler"):
-        self.id = request_id
-        self._channel = channel
-        self._scheduler = scheduler
-        self._consumed = False
-        weakref.finalize(self, scheduler.cancel, request_id)
+    Rows: one per running plain request (`decode`), then each verifying request's last
+    token and drafts at consecutive positions (`verify`: (proposal, its first row, its
+    last token's position)), then the chunk's row when there is a chunk."""
+    decode: list[Request]
+    chunk: Request | None = None
+    verify: list[tuple] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)      # each row's token fed
+    positions: list[int] = field(default_factory=list)   # ... at this position
+    tables: list[np.ndarray] = field(default_factory=list)  # ... over these pages
+    params: list[SamplingParams] = field(default_factory=list)
+    draws: list[int] = field(default_factory=list)       # ... drawing its n-th token
+    biases: dict[int, np.ndarray] = field(default_factory=dict)  # row -> logits bias
+    chunk_tokens: list[int] = field(default_factory=list)
+    chunk_start: int = 0
+    chunk_table: np.ndarray | None = None
+    chunk_bias: np.ndarray | None = None
+    # the decode rows' biases come after the dispatch (the engine's run-ahead)
+    late_bias: bool = False
 
     @property
-    def done(self) -> bool:
-        return self._channel.done.is_set()
+    def rows(self) -> int:
+        """Rows before the chunk's."""
+        return len(self.tokens)
 
-    def result(self, timeout: float | None = None):
-        if not self._channel.done.wait(timeout):
-            raise TimeoutError(f"request {self.id} is still running after {timeout} s")
-        if self._channel.error is not None:
-            raise self._channel.error
-        return self._channel.result
-
-    def cancel(self) -> None:
-        """Stop the request (a no-op once it ended); its result says "abort"."""
-        self._scheduler.cancel(self.id)
-
-    def force(self, token_ids) -> None:
-        """Append these tokens to the output at the next step boundary, as if generated
-        (to close a thought, say); generation goes on after them. Returns once they
-        are appended; a request that ended (or speculates) raises."""
-        self._scheduler.force(self.id, [int(t) for t in token_ids])
-
-    def __iter__(self) -> Iterator[str]:
-        for piece, _ in self._events():
-            if piece:
-                yield piece
-
-    def tokens(self) -> Iterator[int]:
-        """The request's token ids as they are accepted."""
-        for _, ids in self._events():
-            yield from ids
-
-    def _events(self):
-        if self._consumed:
-            raise XlrError("a request's output can be iterated once; use result() for "
-                           "the whole of it")
-        self._consumed = True
-        ended = False
-        try:
-            while (event := self._channel.events.get()) is not _DONE:
-                yield event
-            ended = True
-            self.result()  # a failed request raises its error here
-        finally:
-            if not ended:  # closed or collected early: nobody wants the rest
-                self.cancel()
-
-    async def aresult(self):
-        """`result()` for asyncio (the handle must come from an async submit)."""
-        async for _ in self._aevents():
-            pass
-        return self.result()
-
-    async def __aiter__(self):
-        async for piece, _ in self._aevents():
-            if piece:
-                yield piece
-
-    async def _aevents(self):
-        if self._channel.aio_events is None:
-            raise XlrError("this request was submitted without an event loop; "
-                           "use Model.agenerate / Model.astream from async code")
-        ended = False
-        try:
-            while (event := await self._channel.aio_events.get()) is not _DONE:
-                yield event
-            ended = True
-            self.result()
-        finally:
-            if not ended:
-                self.cancel()
+    def wants_logprobs(self) -> bool:
+        asked = self.decode + ([self.chunk] if self.chunk is not None else [])
+        return any(r.params.logprobs is not None for r in asked)
 
 
 @dataclass
-class _Submission:
-    """A request waiting in the inbox: the engine's request and its channel."""
-    request: Any                     # engine._Request
-    channel: _Channel
-    sent: int = 0                    # token ids already passed to the channel
-    started: bool = False            # admitted to a running batch (no longer waiting)
-
-
-@dataclass
-class _Inbox:
-    """The state the caller threads and the loop thread share, under one condition."""
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    queue: deque = field(default_factory=deque)   # _Submission, in order
-    cancelled: set = field(default_factory=set)   # request ids
-    calls: deque = field(default_factory=deque)   # (fn, Future) to run on the loop
-    in_engine: int = 0                            # in a loop's waiting queue, not started
-    closed: bool = False
+class RunnerOutput:
+    """What the model runner read back of a step: each row's sampled token and, where the
+    step's requests asked, each row's (chosen, top ids, top values) log-probabilities."""
+    sampled: np.ndarray
+    logprobs: list | None = None
+    chunk_row: int = 0  # the chunk's row in `sampled`: after every (padded) decode row
 
 
 class Scheduler:
-    """Owns the loop thread of one engine. `submit` queues prepared requests; `call` runs
-    a function on the loop thread between steps (what must not race the engine)."""
+    """Admission, preemption, chunking and the step's rows for one engine (see the module
+    docstring). `waiting` and `running` are its own; callers use `add`, `abort`, `force`."""
 
-    def __init__(self, engine, max_waiting: int):
-        self.engine = engine
-        self.max_waiting = max_waiting
-        self._inbox = _Inbox()
-        self._ids = itertools.count()
-        self._live: dict[int, _Submission] = {}  # the loop thread's requests, by id
-        self._thread = threading.Thread(target=_serve, args=(self._inbox, weakref.ref(self)),
-                                        name="xlr-scheduler", daemon=True)
-        self._thread.start()
-        weakref.finalize(self, _close, self._inbox)
-        # the loop thread outlives a collected scheduler for a moment (it lets go of the
-        # engine's device arrays as it ends): exit must wait for it too, not just close it
-        _LOOPS[:] = [(t, i) for t, i in _LOOPS if t.is_alive()] + [(self._thread, self._inbox)]
-        # registered now, after JAX made its backend: exit handlers run last-in first-out,
-        # so the loop is stopped while the backend is still there (a thread left inside a
-        # device call when the interpreter finalizes aborts the process)
-        atexit.unregister(_shutdown_all)
-        atexit.register(_shutdown_all)
+    def __init__(self, kv: KVManager, buckets: Buckets, *, max_batch: int,
+                 max_step_tokens: int, step_cost_tokens: int, max_preemptions: int,
+                 vocab_size: int):
+        self.kv, self.buckets = kv, buckets
+        self.max_batch = max_batch
+        self.max_step_tokens = max_step_tokens  # decode rows + the chunk beside them
+        self.step_cost_tokens = step_cost_tokens  # splits a prompt's tail (first_chunk)
+        self.max_preemptions = max_preemptions
+        self.vocab_size = vocab_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+        self._admissions = itertools.count(1)
 
-    def new_id(self) -> int:
-        return next(self._ids)
+    # ------------------------------------------------------------ requests in and out
 
-    def submit(self, requests: list, aio_loop: asyncio.AbstractEventLoop | None = None
-               ) -> list[RequestHandle]:
-        """Queue engine requests (all or none: past max_waiting, QueueFullError)."""
-        subs = [_Submission(r, _Channel(aio_loop)) for r in requests]
-        with self._inbox.cond:
-            if self._inbox.closed:
-                raise XlrError("the model was shut down; load it again to generate")
-            waiting = len(self._inbox.queue) + self._inbox.in_engine
-            if waiting + len(subs) > self.max_waiting:
-                raise QueueFullError(
-                    f"{waiting} requests are already waiting (max_waiting "
-                    f"{self.max_waiting}); retry later, or load the model with a larger "
-                    "max_waiting")
-            self._inbox.queue.extend(subs)
-            self._inbox.cond.notify()
-        return [RequestHandle(s.request.index, s.channel, self) for s in subs]
+    def add(self, req: Request) -> None:
+        """Queue a request (admitted in order, between steps)."""
+        self.waiting.append(req)
 
-    def cancel(self, request_id: int) -> None:
-        with self._inbox.cond:
-            self._inbox.cancelled.add(request_id)
-            self._inbox.cond.notify()
+    def abort(self, req: Request):
+        """End a waiting or running request now ("abort"), its pages given back; returns
+        its GenerationResult."""
+        result = req.abort()
+        self.kv.release(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        return result
 
-    def force(self, request_id: int, token_ids: list[int]) -> None:
-        """Queue forced tokens for a running plain request (see RequestHandle.force)."""
-        def append():
-            sub = self._live.get(request_id)
-            if sub is None or sub.request.finish_reason is not None:
-                raise InvalidRequestError(f"request {request_id} is not running (it ended, "
-                                          "or has not started); nothing to force")
-            if sub.request.spec is not None:
-                raise InvalidRequestError("forced tokens are not supported under "
-                                          "speculative decoding")
-            self.engine.force(sub.request, token_ids)
-        self.call(append)
+    def force(self, req: Request, token_ids: list[int]) -> None:
+        """Queue tokens to append to a plain request's output at the next step boundary,
+        as if it had generated them (e.g. to close a thought); generation goes on after
+        them. Their KV is written by prefill, like a resumed request's."""
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad or not token_ids:
+            raise InvalidRequestError(
+                f"forced token id {bad[0]} is outside the vocabulary [0, "
+                f"{self.vocab_size})" if bad else "no token ids to force")
+        req.forced += token_ids
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn()` on the loop thread between steps; return its value (or raise)."""
-        if threading.current_thread() is self._thread:
-            return fn()
-        future: Future = Future()
-        with self._inbox.cond:
-            if self._inbox.closed:
-                raise XlrError("the model was shut down; load it again to use it")
-            self._inbox.calls.append((fn, future))
-            self._inbox.cond.notify()
-        return future.result()
+    def set_budget(self, max_step_tokens: int | None = None,
+                   step_cost_tokens: int | None = None) -> None:
+        """From the next step on: the tokens a step carries while requests decode, and a
+        step's cost in tokens beyond its chunk's (an experiment's knobs; the plan's
+        otherwise)."""
+        for name, value, least in (("max_step_tokens", max_step_tokens, 1),
+                                   ("step_cost_tokens", step_cost_tokens, 0)):
+            if value is not None and (not isinstance(value, int) or value < least):
+                raise InvalidRequestError(f"{name} must be an integer >= {least} (got "
+                                          f"{value!r})")
+        self.max_step_tokens = max_step_tokens or self.max_step_tokens
+        if step_cost_tokens is not None:
+            self.step_cost_tokens = step_cost_tokens
 
-    def counts(self) -> dict:
-        """Requests running (in an engine loop's batch) and waiting (queued, or in a
-        loop's queue); exact when called on the loop thread (`call`)."""
-        with self._inbox.cond:
-            waiting = len(self._inbox.queue) + self._inbox.in_engine
-            return {"running": len(self._live) - self._inbox.in_engine, "waiting": waiting}
+    def drop_ended(self) -> None:
+        """Remove ended requests from `running`, giving back the pages of any ended from
+        outside the loop (aborted; a no-op for the others)."""
+        for r in self.running:
+            if r.finish_reason is not None:
+                self.kv.release(r)
+        self.running = [r for r in self.running if r.finish_reason is None]
 
-    def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stop the loop: requests in flight or queued end with finish_reason "abort"
-        and give their pages back. Later submits raise."""
-        _close(self._inbox)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+    def release_all(self) -> None:
+        """Give back every page of every request (the loop is being left); the requests
+        stay queued until `forget`."""
+        for r in [*self.waiting, *self.running]:
+            self.kv.release(r)
 
-    # ------------------------------------------------------------ the loop thread
+    def forget(self) -> tuple[list[Request], list[Request]]:
+        """Empty the queues (after `release_all`); returns what was waiting, in order, and
+        what was running."""
+        waiting, running = list(self.waiting), self.running
+        self.waiting, self.running = deque(), []
+        return waiting, running
 
-    def _run_next(self) -> None:
-        """Run the engine loop until it drains."""
-        with self._inbox.cond:
-            if not self._inbox.queue:
-                return
-        waiting: deque = deque()
-        self._poll(waiting, [])
-        try:
-            for index, piece, result in self.engine.serve(waiting, self._poll):
-                self._deliver(index, piece, result)
-        except Exception as error:  # noqa: BLE001 - it goes to the requests it ended
-            self._fail_running(waiting, error)
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running)
 
-    def _poll(self, waiting: deque | None, active: list) -> None:
-        """Between steps: move newcomers to the loop's waiting queue, end cancelled
-        requests (all of them when closing), then run queued calls.
-        With nothing of that to do it only takes the lock once (it runs every step)."""
-        inbox = self._inbox
-        with inbox.cond:
-            calls, inbox.calls = inbox.calls, deque()
-            cancelled, inbox.cancelled = inbox.cancelled, set()
-            closed = inbox.closed
-            dropped = [s for s in inbox.queue if s.request.index in cancelled] if cancelled \
-                else []
-            for sub in dropped:
-                inbox.queue.remove(sub)
-            while waiting is not None and not closed and inbox.queue:
-                sub = inbox.queue.popleft()
-                self._live[sub.request.index] = sub
-                waiting.append(sub.request)
-                inbox.in_engine += 1
-            starting = inbox.in_engine > 0
-        for sub in dropped:  # cancelled before they reached a loop
-            sub.channel.finish(sub.request.abort())
-        if starting:  # admitted since the last step: running now (SMC delivers at its end)
-            for r in active:
-                self._started(r.index)
-        if cancelled or closed:
-            for r in [*(waiting or ()), *active]:
-                if (closed or r.index in cancelled) and r.finish_reason is None:
-                    result = r.abort()
-                    self.engine.release(r)  # now: a call queued after the cancel sees it
-                    self._deliver(r.index, "", result)
-            if waiting:
-                waiting_now = [r for r in waiting if r.finish_reason is None]
-                waiting.clear()
-                waiting.extend(waiting_now)
-        for fn, future in calls:
-            _run_call(fn, future)
+    def finished(self, reqs, pieces) -> list[Event]:
+        """Events for requests that made text visible: a finished one publishes what it
+        wrote to the prefix cache, gives its pages back and carries its result."""
+        events = []
+        for r, piece in zip(reqs, pieces):
+            if r.finish_reason is not None:
+                self.kv.publish(r, finished=True)
+                r.seq.release()
+                events.append((r.index, piece, r.result()))
+            elif piece:
+                events.append((r.index, piece, None))
+        return events
 
-    def _started(self, index: int) -> None:
-        """The request left the waiting queue: it runs (or ended)."""
-        sub = self._live.get(index)
-        if sub is not None and not sub.started:
-            sub.started = True
-            with self._inbox.cond:
-                self._inbox.in_engine -= 1
+    # ------------------------------------------------------------ between steps
 
-    def _deliver(self, index: int, piece: str, result) -> None:
-        sub = self._live.get(index)
-        if sub is None:
-            return
-        self._started(index)
-        ids = result.token_ids if result is not None else sub.request.generated
-        new, sub.sent = list(ids[sub.sent:]), len(ids)
-        if piece or new:
-            sub.channel.push((piece, new))
-        if result is not None:
-            del self._live[index]
-            sub.channel.finish(result)
+    def prepare(self) -> list[Event]:
+        """Between steps: accept forced tokens, admit what fits, find every running
+        request its next page (preempting if need be) and ask the logits processors of
+        the requests the step draws for."""
+        events = self._append_forced()
+        self.running += self._admit()
+        events += self._make_room()
+        return events + self.process_logits(self.running)
 
-    def _fail_running(self, waiting: deque, error: BaseException) -> None:
-        """An engine loop raised: its running requests and the first waiting one (the
-        one admission refused) get the error; the other waiting ones queue again."""
-        retry = [self._live.pop(r.index) for r in list(waiting)[1:] if r.index in self._live]
-        for sub in self._live.values():
-            sub.channel.finish(error=error)
-        self._live.clear()  # the engine gave every page back
-        with self._inbox.cond:
-            self._inbox.queue.extendleft(reversed(retry))
-            self._inbox.in_engine = 0
+    def can_run_ahead(self, last: SchedulerOutput) -> bool:
+        """Whether the next step may be dispatched before `last`'s tokens are read back:
+        decode rows only, the same requests, nobody joining, no forced tokens, no row
+        drawing past its token limit (an EOS in flight only wastes one row of one step)
+        and every row's page found."""
+        joinable = bool(self.waiting) and len(self.running) < self.max_batch
+        return (last.chunk is None and last.decode == self.running and not last.verify
+                and not joinable
+                and all(len(r.generated) + 2 <= r.limit for r in self.running)
+                and not any(r.forced for r in self.running)
+                and self.kv.room_for_a_step(self.running))
 
-    def _abort_queued(self) -> None:
-        """On close: every request still in the inbox ends with "abort"."""
-        with self._inbox.cond:
-            subs, self._inbox.queue = list(self._inbox.queue), deque()
-            calls, self._inbox.calls = list(self._inbox.calls), deque()
-        for sub in subs:
-            sub.channel.finish(sub.request.abort())
-        for _, future in calls:
-            future.set_exception(XlrError("the model was shut down"))
+    def _admit(self) -> list[Request]:
+        """Admit waiting requests, in order, while they fit beside the running ones (see
+        `KVManager`'s budgets): what running requests are owed is taken, pinned or
+        restored by no newcomer; one that does not fit waits."""
+        admitted: list[Request] = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+            req = self.waiting[0]
+            if self.kv.tier_in_flight(req, self.running + admitted):
+                break  # it shares the tier once that is written, instead of writing it too
+            if not self.kv.admit(req, self.kv.owed_to(self.running + admitted)):
+                if not self.running and not admitted:  # nothing running will free a page
+                    if self.kv.free_pinned():
+                        continue  # its pages are evictable now: try again
+                    raise OutOfPagesError(
+                        f"a request needs {self.kv.need(req)} KV pages but only "
+                        f"{self.kv.available} are free or evictable; lower max_tokens "
+                        "or load the model with more num_pages")
+                break  # wait for running sequences to finish and free pages
+            req.admitted_at = next(self._admissions)
+            req.first_admitted = req.first_admitted or time.perf_counter()
+            admitted.append(self.waiting.popleft())
+        return admitted
 
+    def _make_room(self) -> list[Event]:
+        """Before a decode step, find every running request the page its next token
+        needs. (SMC populations leave these pages alone: their size follows the pages
+        nobody else is promised, at every cycle.) While the pool is short: first pinned
+        stable tiers are unpinned, least recently used first (their idle pages become
+        evictable); then the most recently admitted plain request that is not protected
+        is preempted: it gives its pages back (its prompt's stay cached) and waits at the
+        head of the queue, to resume by prefilling what it had. A request nothing can
+        make room for ends at "length"."""
+        events = []
+        running = self.running
+        while running and not self.kv.room_for_a_step(running):
+            if self.kv.free_pinned():
+                continue  # first, pinned tiers become evictable, least recently used first
+            plain = [r for r in running if r.spec is None]  # the others hold their worst case
+            if not plain:
+                break
+            victims = [r for r in plain if not r.protected] if len(running) > 1 else []
+            if not victims:
+                last = max(plain, key=lambda r: r.admitted_at)
+                running.remove(last)
+                events += self.finished([last], [last.end("length")])
+                continue
+            victim = max(victims, key=lambda r: r.admitted_at)
+            running.remove(victim)
+            self.kv.release(victim)
+            victim.preemptions += 1
+            victim.protected = victim.preemptions >= self.max_preemptions
+            self.preemptions += 1
+            self.waiting.appendleft(victim)
+        return events
 
-def _run_call(fn, future: Future) -> None:
-    try:
-        future.set_result(fn())
-    except BaseException as error:  # noqa: BLE001 - handed to the caller
-        future.set_exception(error)
+    def _append_forced(self) -> list[Event]:
+        """Accept each running request's forced tokens (stop rules apply to them)."""
+        now, events = time.perf_counter(), []
+        for r in self.running:
+            if r.forced and r.finish_reason is None:
+                tokens, r.forced, piece = r.forced, [], ""
+                for t in tokens:
+                    piece += r.accept(t, now)
+                    if r.finish_reason is not None:
+                        break
+                events += self.finished([r], [piece])
+        return events
 
+    def _drawing(self, running: list[Request]) -> list[Request]:
+        """The requests the next step draws a token for: those decoding, and the one
+        prefilling next if its prompt can end in this chunk (earlier chunks draw none)."""
+        prefilling = next((r for r in running if not r.decoding), None)
+        return [r for r in running if r.decoding or (
+            r is prefilling and r.context_len - r.prefilled <= self.buckets.chunk[-1])]
 
-def _serve(inbox: _Inbox, scheduler_ref) -> None:
-    """The loop thread: wait for work, run it; only a weak reference while idle."""
-    while True:
-        with inbox.cond:
-            while not (inbox.queue or inbox.calls or inbox.closed):
-                inbox.cond.wait()
-        scheduler = scheduler_ref()
-        if scheduler is None:
-            return
-        if inbox.closed:
-            scheduler._abort_queued()
-            return
-        scheduler._poll(None, [])  # calls and cancellations made while idle
-        scheduler._run_next()
-        del scheduler
+    def process_logits(self, running: list[Request], late: bool = False) -> list[Event]:
+        """Ask the logits processor of each running request the next step draws a token
+        for (`_drawing`; `late`: a run-ahead step's rows, all drawing) for its bias; a
+        processor that fails, or returns no [vocab] array, ends its request alone
+        ("abort", with metrics["error"] saying why)."""
+        asking = [r for r in running if r.params.logits_processor is not None]
+        if not asking:  # the usual step: nothing to ask, nothing built
+            return []
+        events = []
+        drawing = running if late else self._drawing(running)
+        for r in asking:
+            r.step_bias = None  # only a processor's request ever holds one
+            if r.finish_reason is not None or r not in drawing:
+                continue
+            try:
+                bias = r.params.logits_processor(list(r.generated))
+                if bias is not None:
+                    bias = np.asarray(bias, np.float32)
+                    if bias.shape != (self.vocab_size,):
+                        raise ValueError(f"it returned shape {bias.shape}, not "
+                                         f"({self.vocab_size},)")
+                r.step_bias = bias
+            except Exception as e:  # noqa: BLE001 - the caller's code fails its request only
+                r.error = f"logits_processor failed: {e}"
+                events += self.finished([r], [r.end("abort")])
+        return events
 
+    # ------------------------------------------------------------ the step
 
-def _close(inbox: _Inbox) -> None:
-    with inbox.cond:
-        inbox.closed = True
-        inbox.cond.notify_all()
+    def step(self, decoding: list[Request], chunk: Request | None = None,
+             verify: list = (), late_bias: bool = False) -> SchedulerOutput:
+        """The next step: a token for each request of `decoding` and the next chunk of
+        `chunk`'s prompt, and `verify`'s proposals (SpecRunner.proposals), each its last
+        token and its drafts as rows at consecutive positions (a row sees the KV the rows
+        before it write). Pages are reserved for every position it writes.
+        `late_bias`: the decode rows' biases come after the dispatch."""
+        out = SchedulerOutput(list(decoding), chunk, late_bias=late_bias)
+        width = self.buckets.table_width
+        for r in decoding:
+            self.kv.reserve(r.seq, r.seq.length + 1)
+            if r.step_bias is not None and not late_bias:
+                out.biases[out.rows] = r.step_bias
+            # the token drawn after position p is the (p + 1 - prompt)-th of its sequence
+            self._row(out, r, r.generated[-1], r.seq.length, width)
+            r.seq.length += 1
+        for p in verify:  # pages for every position (SpecRunner.take_verified trims)
+            r, drafts, start = p.request, p.drafts, p.request.seq.length
+            self.kv.reserve(r.seq, start + len(drafts) + 1)
+            out.verify.append((p, out.rows, start))
+            for i, token in enumerate([r.generated[-1], *drafts]):
+                self._row(out, r, token, start + i, width)
+            r.seq.length += len(drafts) + 1
+        if chunk is not None:  # pages reserved at admission; forced tokens grow them here
+            room = chunk_room(self.buckets, out.rows, chunk.prefill_left(),
+                              self.max_step_tokens, self.step_cost_tokens)
+            out.chunk_tokens = chunk.context_ids[chunk.prefilled:chunk.chunk_end(room)]
+            out.chunk_start = chunk.prefilled
+            self.kv.reserve(chunk.seq, chunk.context_len)
+            out.chunk_table = chunk.seq.block_table(width)
+            out.chunk_bias = chunk.step_bias
+            chunk.seq.length += len(out.chunk_tokens)
+        return out
 
+    @staticmethod
+    def _row(out: SchedulerOutput, r: Request, token: int, position: int, width: int) -> None:
+        out.tokens.append(token)
+        out.positions.append(position)
+        out.tables.append(r.seq.block_table(width))
+        out.params.append(r.params)
+        out.draws.append(position + 1 - len(r.prompt_ids))
 
-_LOOPS: list[tuple[threading.Thread, _Inbox]] = []  # every loop thread not known ended
-
-
-def _shutdown_all() -> None:
-    """At exit: stop every model's loop, its scheduler collected or not, and wait for it
-    (a step ends in bounded time). A daemon thread still inside XLA when the interpreter
-    finalizes aborts the process ("terminate called ... exception not rethrown")."""
-    for _, inbox in _LOOPS:
-        _close(inbox)
-    for thread, _ in _LOOPS:
-        thread.join(timeout=120.0)
+    def update(self, out: SchedulerOutput, result: RunnerOutput,
+               verified: tuple[list, list] = ([], [])) -> list[Event]:
+        """Take a step's sampled tokens: a token for each decode row still running, the
+        speculating requests' `verified` (requests, texts: SpecRunner.take_verified), and
+        the first token of a request whose prompt the chunk completed (its prompt is
+        published, its stable tier persisted, its cache hits counted)."""
+        now = time.perf_counter()
+        logprobs = result.logprobs or itertools.repeat(None)
+        reqs, pieces = [], []
+        for j, (r, lp) in enumerate(zip(out.decode, logprobs)):
+            if r.finish_reason is None:
+                reqs.append(r)
+                pieces.append(r.accept(int(result.sampled[j]), now, lp))
+        reqs += verified[0]
+        pieces += verified[1]
+        r = out.chunk
+        if r is not None and r.finish_reason is None and r.prefilled == r.stable_end:
+            self.kv.publish(r, finished=False)  # its stable tier: requests waiting share it
+        # a resumed request (preempted) knows its next token already
+        if (r is not None and r.finish_reason is None and not r.generated
+                and r.prefilled == len(r.prompt_ids)):
+            self.kv.publish(r, finished=False)
+            self.kv.persist_tier(r)
+            self.kv.count(r)
+            reqs.append(r)
+            pieces.append(r.accept(int(result.sampled[result.chunk_row]), now,
+                                   result.logprobs[result.chunk_row] if result.logprobs
+                                   else None))
+        return self.finished(reqs, pieces)

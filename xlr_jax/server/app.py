@@ -43,7 +43,7 @@ from xlr_jax.server.protocol import (SSE_DONE, APIError, ChatCompletionRequest,
 from xlr_jax.server.reasoning import (Markers, ReasoningSplitter, ThoughtBudget,
                                       opens_thought, request_budget, split_reasoning)
 from xlr_jax.server.request_log import RequestLog
-from xlr_jax.server.tiers import RecentHeads, marked_messages, shared_prefix
+from xlr_jax.server.tiers import RecentHeads, marked_messages
 from xlr_jax.server.tool_calls import ToolCallParser, parse_whole
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -223,10 +223,7 @@ class Server:
         if marked is None:
             return ids, self.recent.cut(ids, tiers)
         head_msgs, head_tools = chat_messages.prepare(marked, body.tools, template)
-        tokenizer = self.model.tokenizer
-        head = tokenizer.encode(tokenizer.apply_chat_template(
-            head_msgs, add_generation_prompt=False, tools=head_tools))
-        stable = shared_prefix(ids, head)
+        stable = self.model.prompts.rendered_end(head_msgs, head_tools, ids)
         return ids, (stable, max(tiers[1], stable))
 
     def budget(self, ids, max_tokens: int | None) -> int:

@@ -28,7 +28,7 @@ import llguidance.numpy as llnp
 import numpy as np
 
 from xlr_jax.errors import InvalidRequestError
-from xlr_jax.server.tiers import shared_prefix
+from xlr_jax.loading.prompts import shared_prefix
 from xlr_jax.server.tool_calls import CLOSE, OPEN
 
 # What a closing constraint prefers after EOS, in order (the text of single tokens). A

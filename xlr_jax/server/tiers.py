@@ -17,9 +17,10 @@ to find the real end:
 """
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
+
+from xlr_jax.loading.prompts import shared_prefix
 
 SYSTEM_ROLES = ("system", "developer")
 
@@ -41,11 +42,6 @@ def marked_messages(messages) -> list | None:
         return None
     i, j = cut
     return [*messages[:i], messages[i].model_copy(update={"content": messages[i].content[:j + 1]})]
-
-
-def shared_prefix(a, b) -> int:
-    """How many leading tokens two id lists share."""
-    return len(os.path.commonprefix([a, b]))
 
 
 class RecentHeads:

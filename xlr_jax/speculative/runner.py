@@ -40,21 +40,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from xlr_jax.errors import InvalidRequestError
-from xlr_jax.kv.paged_kv import PagedKV
-from xlr_jax.model.steps import Steps
-from xlr_jax.planning.mapper import particles_for, pick_bucket, powers_of_two_upto
+from xlr_jax.planning.buckets import Buckets, draft_bucket, pick_bucket
+from xlr_jax.planning.mapper import SpeculativePolicy, particles_for
 from xlr_jax.speculative.acceptance import accept_by_matching
-from xlr_jax.speculative.cycle import ModelDraft, SpecConfig
+from xlr_jax.speculative.config import ModelDraft, SpecConfig
 from xlr_jax.speculative.smc import (block_increment, draw_keys, ess, log_mean_weight, pick_answer,
                                      resample, split)
 
 SMC_PROBATION = 4      # exact cycles that measure the draft's agreement before SMC starts
-# Where rows of the ragged step beat a cycle of its own (experiments/verify_rows.py, gamma 4,
-# one loop iteration): from 3 plain streams on, at 300 tokens from 1 (n-gram 0.61-0.82 of
-# the cycle's time, self:20 0.79-0.98); at 1,000 tokens with 1 stream the cycle wins
-# (rows 1.05x, self:20 1.31x): each decode row walks the context's pages on its own.
-ROWS_FROM_STREAMS = 3
-ROWS_UP_TO_CONTEXT = 512
 
 
 def start_metrics(spec: SpecConfig) -> dict:
@@ -67,11 +60,16 @@ def start_metrics(spec: SpecConfig) -> dict:
 
 
 class SpecRunner:
-    """Runs the cycles of an engine's speculating requests, through the engine's public
-    step, page and delivery methods."""
+    """Runs the cycles of an engine's speculating requests: pages through the scheduler's
+    KV manager, device work through the model runner, results as the scheduler's events.
+    `totals`: draft_tokens, accepted_tokens, target_passes and cycles over every request."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, scheduler, runner, buckets: Buckets, policy: SpeculativePolicy):
+        self.scheduler, self.kv, self.runner = scheduler, scheduler.kv, runner
+        self.buckets = buckets
+        self.policy = policy  # the plan's: particles at most, rows or cycles
+        self.totals = dict.fromkeys(("draft_tokens", "accepted_tokens", "target_passes",
+                                     "cycles"), 0)
 
     def run(self, reqs, promised: int):
         """One cycle for each of `reqs` (decoding, speculating, running): exact ones of
@@ -102,7 +100,7 @@ class SpecRunner:
                     run.prepare(self, free)
             ready = [run for run in runs if run.rows]
             for group in _batches(ready, lambda run: run.key, lambda run: len(run.rows),
-                                  self.engine.buckets.batch[-1]):
+                                  self.buckets.batch[-1]):
                 out = self.cycle([p for run in group for p in run.rows], group[0].method,
                                  [salt for run in group for salt in run.salts])
                 start = 0
@@ -115,13 +113,13 @@ class SpecRunner:
             raise
         for run in runs:
             if run.ended:
-                yield from run.finish(self.engine)
+                yield from run.finish(self.scheduler)
 
     # ------------------------------------------------------------ one cycle
 
     def cycle(self, rows, method: str, salts=None) -> "_Cycle":
         """Run one cycle over `rows` (requests, or one request's particles)."""
-        e, spec, draft = self.engine, rows[0].spec, rows[0].draft
+        spec, draft = rows[0].spec, rows[0].draft
         budgets = self.budgets(rows)
         guesses = None
         if draft.kind == "tokens":
@@ -131,20 +129,15 @@ class SpecRunner:
             if not any(budgets) and salts is None:  # nothing to verify: a plain decode
                 return self._decode(rows)            # step (unsalted) is cheaper
         # host proposals vary in number: verify only as many positions as the longest needs
-        gamma = (pick_bucket(max(*budgets, 1), powers_of_two_upto(spec.gamma)) if guesses
+        gamma = (draft_bucket(max(budgets), spec.gamma) if guesses
                  else spec.gamma)
         x = self._inputs(rows, budgets, salts)
         proposed = np.zeros((len(x.last), gamma), np.int32)
         for j, guess in enumerate(guesses or []):
             proposed[j, :budgets[j]] = guess
-        name = draft.name if isinstance(draft, ModelDraft) else None
-        accepted, nxt, drafts, log_p, log_q, agreement, e.kv, draft_kv = e.spec_steps.cycle(
-            e.params, e.kv, draft, e.draft_kvs.get(name), x.last, x.positions, proposed,
-            x.num_draft, x.block_tables, x.sampling, x.salt, gamma=gamma, method=method,
-            sampler=x.sampler)
-        e.count_cycle()
-        if name:
-            e.draft_kvs[name] = draft_kv
+        accepted, nxt, drafts, log_p, log_q, agreement = self.runner.cycle(
+            draft, x, proposed, gamma=gamma, method=method)
+        self.totals["cycles"] += 1
         accepted, nxt, drafts = np.asarray(accepted), np.asarray(nxt), np.asarray(drafts)
         kept = [self._settle(r, [*map(int, drafts[j, :budgets[j]])], int(accepted[j]),
                              int(nxt[j]), int(x.positions[j])) for j, r in enumerate(rows)]
@@ -155,16 +148,16 @@ class SpecRunner:
     def _inputs(self, rows, budgets: list[int], salts=None) -> "_Inputs":
         """Reserve pages for every position `rows` may write (their last tokens and
         `budgets` drafts); their device inputs, padded to a batch bucket."""
-        e = self.engine
         self.reserve(rows, budgets)
-        n = pick_bucket(len(rows), e.buckets.batch)
+        n = pick_bucket(len(rows), self.buckets.batch)
         last, positions, num_draft, salt = (np.zeros(n, np.int32) for _ in range(4))
         for j, r in enumerate(rows):
             last[j], positions[j], num_draft[j] = r.generated[-1], r.seq.length, budgets[j]
             salt[j] = salts[j] if salts else 0
-        sampling, sampler = e.sampling(rows, n, [len(r.generated) for r in rows])
+        sampling, sampler = self.runner.sampling([r.params for r in rows],
+                                                 [len(r.generated) for r in rows], n)
         return _Inputs(last, positions, num_draft, salt, sampling, sampler,
-                       e.block_tables(rows, n))
+                       self.kv.block_tables([r.seq for r in rows], n, self.buckets.pages))
 
     @staticmethod
     def budgets(rows) -> list[int]:
@@ -175,7 +168,7 @@ class SpecRunner:
         """Pages for every position a cycle may write: the rows' last tokens and their
         drafts (what rejected tokens used is trimmed after it)."""
         for r, b in zip(rows, budgets):
-            self.engine.apply_copies(r.seq.reserve(r.seq.length + b + 1))
+            self.kv.reserve(r.seq, r.seq.length + b + 1)
 
     def _settle(self, r, drafts: list[int], accepted: int, nxt: int, position: int) -> list[int]:
         """A row's verdict after its target pass (its last token at `position`): the
@@ -191,28 +184,33 @@ class SpecRunner:
         m["target_passes"] += 1
         m["draft_tokens"] += drafted
         m["accepted_tokens"] += accepted
-        self.engine.count_speculation(drafted, accepted)
+        totals = self.totals
+        totals["target_passes"] += 1
+        totals["draft_tokens"] += drafted
+        totals["accepted_tokens"] += accepted
 
     def _decode(self, rows) -> "_Cycle":
         """One plain step (the engine's) for rows with nothing proposed."""
-        tokens = np.asarray(self.engine.dispatch(rows).tokens)
+        step = self.runner.execute(self.scheduler.step(rows))
+        tokens = self.runner.read(step, timed=False).sampled
         for r in rows:
             self._count(r, 0, 0)
         return _Cycle.plain([[int(tokens[j])] for j in range(len(rows))])
 
     # ------------------------------------------------------------ rows of the ragged step
 
-    @staticmethod
-    def verifies_in_rows(r, plain_rows: int, chunk: bool) -> bool:
+    def verifies_in_rows(self, r, plain_rows: int, chunk: bool) -> bool:
         """Whether a request verifies its drafts (an SMC request: its particles' drafts)
         as rows of a ragged step that runs `plain_rows` decode rows and maybe a prefill
         `chunk` (whose step pads its rows to the largest bucket anyway): where rows
-        measured faster than its own cycle (see ROWS_FROM_STREAMS). Host proposals are
+        measured faster than its own cycle (the plan's `SpeculativePolicy`). Host proposals are
         decided by the plain sampler's draws (`acceptance.accept_by_matching`); a device
         draft's by `SpecSteps.judge` on the step's logits, as its own cycle would:
         either way, the same tokens."""
         context = r.smc.most_tokens() if r.smc is not None else r.seq.length
-        return chunk or plain_rows >= ROWS_FROM_STREAMS or context <= ROWS_UP_TO_CONTEXT
+        policy = self.policy
+        return (chunk or plain_rows >= policy.rows_from_streams
+                or context <= policy.rows_up_to_context)
 
     def proposals(self, reqs, room: int, promised: int) -> tuple[list["Proposal"], list]:
         """Proposals to verify as rows of a ragged step with `room` rows for them: one for
@@ -264,22 +262,16 @@ class SpecRunner:
         self._draft_prefill(r)
         if r.smc is None:
             r.smc = SmcRun(r)
-        return r.smc, self.engine.pool.num_available - (promised - self.engine.owed_pages(r))
+        return r.smc, self.kv.available - (promised - self.kv.owed(r))
 
     def _propose(self, group: list["Proposal"], method: str) -> None:
         """Run the device draft of `group` (one configuration and method) and fill in its
         drafts."""
-        e, rows = self.engine, [prop.request for prop in group]
-        draft = rows[0].draft
+        rows = [prop.request for prop in group]
         for r in rows:
             self._draft_prefill(r)
         x = self._inputs(rows, [prop.budget for prop in group], [prop.salt for prop in group])
-        name = draft.name if isinstance(draft, ModelDraft) else None
-        drafts, q, e.kv, draft_kv = e.spec_steps.propose(
-            e.params, e.kv, draft, e.draft_kvs.get(name), x.last, x.positions, x.num_draft,
-            x.block_tables, x.sampling, x.salt, gamma=rows[0].spec.gamma, sampler=x.sampler)
-        if name:
-            e.draft_kvs[name] = draft_kv
+        drafts, q = self.runner.propose(rows[0].draft, x, gamma=rows[0].spec.gamma)
         judged = _Judged(drafts, q, x, method)
         host = np.asarray(drafts)
         for j, prop in enumerate(group):
@@ -341,9 +333,8 @@ class SpecRunner:
         for prop, row, _ in verify:
             if prop.judged is judged:  # positions past a row's drafts repeat its last
                 index[prop.slot] = row + np.minimum(np.arange(gamma + 1), len(prop.drafts))
-        decided = self.engine.spec_steps.judge(
-            logits, index, judged.drafts, judged.q, x.num_draft, x.sampling, x.salt,
-            sampler=x.sampler, method=judged.method)
+        decided = self.runner.judge(logits, index, judged.drafts, judged.q, x,
+                                    method=judged.method)
         (judged.accepted, judged.next, judged.log_p, judged.log_q,
          judged.agreement) = map(np.asarray, decided)
 
@@ -363,19 +354,19 @@ class SpecRunner:
         for r in reqs:
             if r.finish_reason is not None:
                 _summarize(r)
-        yield from self.engine.finished(reqs, pieces)
+        yield from self.scheduler.finished(reqs, pieces)
 
     def particle_count(self, req, particles, free: int) -> int:
         """N for the next cycle from `free` pages, keeping what one particle needs to
         finish: no more than the pages hold for one cycle of every particle, and more
         than now only if they hold two (a population grown for one cycle would be cut
         back at once)."""
-        e, spec = self.engine, req.spec
-        finish_one = req.max_pages - min(len(p.seq.pages) for p in particles) + 1
-        cap = min(e.particle_cap if spec.particles == "auto" else spec.particles,
-                  e.buckets.batch[-1])
+        spec = req.spec
+        finish_one = self.kv.max_pages(req) - min(len(p.seq.pages) for p in particles) + 1
+        cap = min(self.policy.particle_cap if spec.particles == "auto" else spec.particles,
+                  self.buckets.batch[-1])
         fits = partial(particles_for, free - finish_one, max(p.seq.length for p in particles),
-                       page_size=e.pool.page_size, cap=cap)
+                       page_size=self.kv.page_size, cap=cap)
         now = fits(spec.gamma)
         return now if now <= len(particles) else max(len(particles), fits(2 * spec.gamma + 1))
 
@@ -387,16 +378,7 @@ class SpecRunner:
         them may be missing."""
         if not isinstance(r.draft, ModelDraft) or r.draft_prefilled:
             return
-        e, draft = self.engine, r.draft
-        if draft.name not in e.draft_kvs:
-            c, kv = draft.config, e.kv
-            e.draft_kvs[draft.name] = PagedKV.create(
-                num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                num_pages=e.pool.num_pages, page_size=e.pool.page_size, dtype=kv.k.dtype)
-            e.draft_steps[draft.name] = Steps(c, e.buckets, e.steps.attn_impl,
-                                             e.steps.compiler_options)
-        _, e.draft_kvs[draft.name] = e.prefill_all(e.draft_steps[draft.name], draft.params,
-                                                   e.draft_kvs[draft.name], r.prompt_ids, r.seq)
+        self.runner.prefill_draft(r.draft, r.prompt_ids, r.seq)
         r.draft_prefilled = True
 
 
@@ -506,10 +488,10 @@ class SmcRun:
         """Every particle ended (or a resample landed only on ended ones)."""
         return not self.rows or all(p.finish_reason is not None for p in self.particles)
 
-    def finish(self, engine):
-        """The answer (see `conclude`), as the engine's events."""
+    def finish(self, scheduler):
+        """The answer (see `conclude`), as the scheduler's events."""
         chosen = self.conclude()
-        yield from engine.finished([chosen], [chosen.pending])
+        yield from scheduler.finished([chosen], [chosen.pending])
 
     def conclude(self):
         """The answer: one particle drawn by weight, which the request's result becomes;

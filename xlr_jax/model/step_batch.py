@@ -15,7 +15,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from xlr_jax.model.sampling import SamplingBatch, SamplingParams
+from xlr_jax.model.sampling import SamplingBatch
+from xlr_jax.model.sampling_params import SamplingParams
 from xlr_jax.pytree import pytree_dataclass
 
 

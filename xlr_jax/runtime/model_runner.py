@@ -1,0 +1,254 @@
+"""The model runner: the only owner of the device state and the only caller of the
+compiled programs.
+
+It holds the params, the paged KV, separate draft models' KV and the compiled steps
+(`model.steps.Steps`, `speculative.cycle.SpecSteps`). `execute` turns a scheduler's
+decision (`SchedulerOutput`) into one `StepBatch` and dispatches the jitted step, the KV
+donated; `read` reads its tokens back (one step late, while the next one runs, when the
+engine runs ahead). Before any program touches the KV, the page operations the KV
+manager queued (copy-on-write copies, stable tiers written in or read out) are applied,
+in order. Nothing else assigns device state: benchmarks and experiments read `params`
+and `kv`, and time single steps through `run_step`.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from xlr_jax.kv.manager import PageCopy, PageOp, PageRead, PageWrite
+from xlr_jax.kv.pages import SequencePages
+from xlr_jax.kv.paged_kv import (PagedKV, copy_pages, leaves, read_pages, restore_lowering,
+                                 write_pages)
+from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.decoder import Params
+from xlr_jax.model.executables import ExecutableStore, compile_for_later
+from xlr_jax.model.sampling import SamplingBatch, sampler_for
+from xlr_jax.model.step_batch import StepBatch
+from xlr_jax.model.steps import Steps
+from xlr_jax.planning.buckets import Buckets, pick_bucket
+from xlr_jax.runtime.scheduler import RunnerOutput, SchedulerOutput
+from xlr_jax.speculative.config import Draft, ModelDraft
+from xlr_jax.speculative.cycle import SpecSteps
+
+
+@dataclass
+class InFlight:
+    """A dispatched step: its decision and its results on the device, not read back."""
+    out: SchedulerOutput
+    tokens: object      # [rows] sampled
+    logits: object      # [rows, V] (device drafts are judged on them)
+    logprobs: tuple     # chosen [rows], top ids and values [rows, k]
+    sampling: SamplingBatch  # the rows' (a late bias draws again with it)
+    chunk_row: int      # the chunk's row: after every (padded) decode row
+    started: float      # when it was dispatched
+
+
+class ModelRunner:
+    """Params, the paged KV, draft models' KV and the compiled steps of one model (see the
+    module docstring). `page_ops()` gives the page operations to apply before the next
+    program reads the KV (the KV manager's queue)."""
+
+    def __init__(self, config: ModelConfig, params: Params, *, num_pages: int,
+                 page_size: int, kv_dtype, buckets: Buckets, attn_impl: str,
+                 compiler_options: dict | None, page_ops: Callable[[], list[PageOp]]):
+        self.config, self.buckets = config, buckets
+        self._params = params.per_layer()
+        self._kv = PagedKV.create(num_layers=config.num_layers,
+                                  num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                                  num_pages=num_pages, page_size=page_size, dtype=kv_dtype)
+        self.steps = Steps(config, buckets, attn_impl, compiler_options)
+        self.spec_steps = SpecSteps(config, attn_impl, compiler_options)
+        self._draft_kvs: dict[str, PagedKV] = {}  # separate draft models' KV, by name
+        self._draft_steps: dict[str, Steps] = {}
+        self._page_ops = page_ops
+        self.steps_run = 0
+        self._step_times: deque = deque(maxlen=256)  # seconds of the last plain steps
+        self._last_read = 0.0
+
+    @property
+    def params(self) -> Params:
+        return self._params
+
+    @property
+    def kv(self) -> PagedKV:
+        """The paged KV as of the last dispatched program (read it, never keep it: the
+        next program donates it)."""
+        return self._kv
+
+    def kv_layout(self) -> dict:
+        """Each KV leaf's (dtype, shape): what a stable tier restored from disk must
+        match."""
+        return {name: (x.dtype, x.shape) for name, x in leaves(self._kv).items()}
+
+    # ------------------------------------------------------------ page operations
+
+    def apply_page_ops(self) -> None:
+        """Apply the queued page operations, in order (see the module docstring)."""
+        for op in self._page_ops():
+            if isinstance(op, PageCopy):
+                src, dst = (np.asarray(ids, np.int32) for ids in (op.src, op.dst))
+                self._kv = copy_pages(self._kv, src, dst)
+                for name, kv in self._draft_kvs.items():  # a draft's KV on the same pages
+                    self._draft_kvs[name] = copy_pages(kv, src, dst)
+            elif isinstance(op, PageWrite):
+                self._kv = write_pages(self._kv, jnp.asarray(op.pages, jnp.int32), op.arrays)
+            elif isinstance(op, PageRead):
+                # then, on the reader's thread, what a process restoring them runs
+                op.deliver(read_pages(self._kv, op.pages),
+                           partial(compile_for_later, restore_lowering(self._kv, len(op.pages))))
+
+    # ------------------------------------------------------------ the ragged step
+
+    def execute(self, out: SchedulerOutput, feed=None) -> InFlight:
+        """Dispatch the step `out` decides; its tokens stay on the device. `feed`: the
+        previous step's device tokens (the same decode rows, run ahead) instead of the
+        tokens `out` holds."""
+        self.apply_page_ops()
+        build = self.steps.builder(out.rows, len(out.chunk_tokens))
+        for j in range(out.rows):
+            if j in out.biases:
+                build.bias(j, out.biases[j])
+            build.decode(out.tokens[j], out.positions[j], out.tables[j], out.params[j],
+                         out.draws[j])
+        if out.chunk is not None:
+            build.prefill(out.chunk_tokens, out.chunk_start, out.chunk_table,
+                          out.chunk.params, 0)
+            if out.chunk_bias is not None:
+                build.bias(build.batch.decode_rows, out.chunk_bias)
+        started = time.perf_counter()
+        batch = build.build(feed)
+        tokens, logits, logprobs, self._kv = self.steps.step(self._params, self._kv, batch)
+        return InFlight(out, tokens, logits, logprobs, batch.sampling,
+                        build.batch.decode_rows, started)
+
+    def read(self, step: InFlight, timed: bool = True) -> RunnerOutput:
+        """Read a dispatched step's tokens (and log-probabilities, where its requests asked)
+        back. `timed`: count it in the step times (`stats`)."""
+        sampled = np.asarray(step.tokens)
+        logprobs = None
+        if step.out.wants_logprobs():
+            chosen, ids, values = (np.asarray(x) for x in step.logprobs)
+            logprobs = list(zip(chosen, ids, values))
+        if timed:
+            now = time.perf_counter()
+            # the step ran from its dispatch, or from the end of the one ahead of it
+            self._step_times.append(now - max(step.started, self._last_read))
+            self._last_read = now
+            self.steps_run += 1
+        return RunnerOutput(sampled, logprobs, step.chunk_row)
+
+    def redraw(self, step: InFlight, biased: list[tuple[int, np.ndarray]]) -> None:
+        """Draw rows again from a dispatched step's logits plus their bias (`biased`: (row,
+        bias [V])), the others' tokens kept: the draw a bias inside the step makes."""
+        bias = np.zeros(step.logits.shape, np.float32)
+        masked = np.zeros(len(bias), bool)
+        for j, values in biased:
+            bias[j], masked[j] = values, True
+        step.tokens, step.logprobs = self.steps.redraw(step.logits, step.tokens, bias,
+                                                       masked, step.sampling)
+
+    def run_step(self, batch: StepBatch, steps: Steps | None = None):
+        """One step of a hand-made `batch` (experiments time steps alone); returns its
+        sampled tokens and logits, on the device. `steps`: other compiled steps over these
+        params."""
+        tokens, logits, _, self._kv = (steps or self.steps).step(self._params, self._kv,
+                                                                 batch)
+        return tokens, logits
+
+    def stats(self) -> dict:
+        times = self._step_times
+        return {"steps": self.steps_run,
+                "step_time_s": sum(times) / len(times) if times else None}
+
+    # ------------------------------------------------------------ scoring and drafts
+
+    def logits(self, ids: list[int], seq: SequencePages) -> np.ndarray:
+        """Logits [len(ids), vocab] of `ids` written from position 0 into `seq`'s pages."""
+        self.apply_page_ops()
+        chunks, self._kv = self._prefill_all(self.steps, self._params, self._kv, ids, seq)
+        return np.concatenate([np.asarray(c) for c in chunks])
+
+    def _prefill_all(self, steps: Steps, params, kv: PagedKV, ids: list[int],
+                     seq: SequencePages) -> tuple[list, PagedKV]:
+        """Write `ids` from position 0 into `seq`'s pages of `kv`, chunk by chunk, with
+        `steps`/`params` (the target's, or a draft model's for its own KV); returns
+        each chunk's logits on the device and the new KV."""
+        chunk = self.buckets.chunk[-1]
+        table = seq.block_table(pick_bucket(len(seq.pages), self.buckets.pages))[None]
+        out = []
+        for s in range(0, len(ids), chunk):
+            part = ids[s:s + chunk]
+            tokens = np.zeros((1, pick_bucket(len(part), self.buckets.chunk)), np.int32)
+            tokens[0, :len(part)] = part
+            logits, kv = steps.all_logits(params, kv, tokens, np.array([s], np.int32),
+                                          np.array([len(part)], np.int32), table)
+            out.append(logits[0, :len(part)])
+        return out, kv
+
+    def prefill_draft(self, draft: ModelDraft, ids: list[int], seq: SequencePages) -> None:
+        """A separate draft model reads `ids` into its own KV (the same page ids as the
+        target's), made on its first use."""
+        self.apply_page_ops()
+        if draft.name not in self._draft_kvs:
+            c, kv = draft.config, self._kv
+            self._draft_kvs[draft.name] = PagedKV.create(
+                num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                num_pages=kv.num_pages, page_size=kv.page_size, dtype=kv.k.dtype)
+            self._draft_steps[draft.name] = Steps(c, self.buckets, self.steps.attn_impl,
+                                                  self.steps.compiler_options)
+        _, self._draft_kvs[draft.name] = self._prefill_all(
+            self._draft_steps[draft.name], draft.params, self._draft_kvs[draft.name], ids, seq)
+
+    def cycle(self, draft: Draft, x, proposed, *, gamma: int, method: str):
+        """One speculative cycle over rows `x` (SpecRunner's inputs) with host proposals
+        `proposed` [B, gamma] (device drafts propose their own): (accepted, next, drafts,
+        log p, log q, agreement), on the device."""
+        self.apply_page_ops()
+        name = draft.name if isinstance(draft, ModelDraft) else None
+        *decided, self._kv, draft_kv = self.spec_steps.cycle(
+            self._params, self._kv, draft, self._draft_kvs.get(name), x.last, x.positions,
+            proposed, x.num_draft, x.block_tables, x.sampling, x.salt, gamma=gamma,
+            method=method, sampler=x.sampler)
+        if name:
+            self._draft_kvs[name] = draft_kv
+        return decided
+
+    def propose(self, draft: Draft, x, *, gamma: int):
+        """A device draft's proposals for rows `x`: (drafts [B, gamma], q), on the device."""
+        self.apply_page_ops()
+        name = draft.name if isinstance(draft, ModelDraft) else None
+        drafts, q, self._kv, draft_kv = self.spec_steps.propose(
+            self._params, self._kv, draft, self._draft_kvs.get(name), x.last, x.positions,
+            x.num_draft, x.block_tables, x.sampling, x.salt, gamma=gamma, sampler=x.sampler)
+        if name:
+            self._draft_kvs[name] = draft_kv
+        return drafts, q
+
+    def judge(self, logits, index, drafts, q, x, *, method: str):
+        """What a cycle of `method` keeps of `propose`'s drafts scored in a ragged step's
+        `logits` (see SpecSteps.judge)."""
+        return self.spec_steps.judge(logits, index, drafts, q, x.num_draft, x.sampling,
+                                     x.salt, sampler=x.sampler, method=method)
+
+    @staticmethod
+    def sampling(params: list, draws: list[int], rows: int) -> tuple[SamplingBatch, str]:
+        """The rows' SamplingBatch (padded to `rows`) and the sampler they need."""
+        return SamplingBatch.build(params, draws, rows), sampler_for(params)
+
+    # ------------------------------------------------------------ compiled steps
+
+    def use_step_store(self, store: ExecutableStore) -> int:
+        """Keep compiled steps in `store` across processes; take (and run once, on the
+        scratch page) those it preloaded; returns how many."""
+        self._kv, taken = self.steps.use_store(store, self._params, self._kv)
+        return taken
+
+    def warmup(self, progress: bool = True) -> list[dict]:
+        """Compile every step shape serving may run (see Steps.warmup)."""
+        return self.steps.warmup(self._params, self._kv, progress)
