@@ -10,7 +10,7 @@ import pytest
 from xlr_jax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
 from xlr_jax.kv.manager import KVManager, PageCopy
 from xlr_jax.model.sampling_params import SamplingParams
-from xlr_jax.planning.buckets import buckets_for
+from xlr_jax.planning.buckets import buckets_for, step_shape
 from xlr_jax.runtime.request import Request
 from xlr_jax.runtime.scheduler import RunnerOutput, Scheduler
 
@@ -44,8 +44,7 @@ def token_for(r: Request) -> int:
 def fake_result(s: Scheduler, out) -> RunnerOutput:
     """What a runner would read back of `out`: a token per row, the chunk's after every
     (padded) decode row, as the step builder lays them out."""
-    rows = 0 if not out.rows else (s.buckets.batch[-1] if out.chunk
-                                   else min(b for b in s.buckets.batch if b >= out.rows))
+    rows, _ = step_shape(s.buckets, out.rows, len(out.chunk_tokens))
     sampled = np.zeros(rows + (out.chunk is not None), np.int32)
     for j, r in enumerate(out.decode):
         sampled[j] = token_for(r)

@@ -23,7 +23,7 @@ from xlr_jax.model.decoder import Params, RowProducts, forward, forward_step, lm
 from xlr_jax.model.executables import ExecutableStore, compile_fresh
 from xlr_jax.model.sampling import row_logprobs, sample_rows
 from xlr_jax.ops import cpu_kernels
-from xlr_jax.planning.buckets import Buckets, pick_bucket
+from xlr_jax.planning.buckets import Buckets, step_shape, step_shapes
 from xlr_jax.model.step_batch import StepBatch, StepBuilder
 
 
@@ -123,12 +123,9 @@ class Steps:
         return _redraw(logits, tokens, bias, masked, sampling)
 
     def builder(self, decode_rows: int, chunk_tokens: int) -> StepBuilder:
-        """A step's builder for this many decode rows and chunk tokens, bucketed. A step
-        with a chunk pads its decode rows to the largest bucket: the chunk's tokens
-        dominate its cost, and it halves the shapes to compile (see `keys`)."""
-        chunk = pick_bucket(chunk_tokens, self.buckets.chunk) if chunk_tokens else 0
-        rows = 0 if not decode_rows else (
-            self.buckets.batch[-1] if chunk else pick_bucket(decode_rows, self.buckets.batch))
+        """A step's builder for this many decode rows and chunk tokens, in the shape
+        `buckets.step_shape` gives them."""
+        rows, chunk = step_shape(self.buckets, decode_rows, chunk_tokens)
         return StepBuilder(rows, chunk, self.buckets.table_width, self._zero_bias(rows, chunk))
 
     def _zero_bias(self, rows: int, chunk: int) -> jax.Array:
@@ -167,11 +164,8 @@ class Steps:
         return self._all_logits(params, kv, tokens, start, num_new, block_tables)
 
     def keys(self) -> list[tuple]:
-        """Every step shape serving may run (see `builder`): decode rows alone (a batch
-        bucket), a chunk alone (a chunk bucket), or a chunk beside the largest batch."""
-        b = self.buckets
-        return ([("step", rows, 0) for rows in b.batch]
-                + [("step", rows, chunk) for rows in (0, b.batch[-1]) for chunk in b.chunk])
+        """Every step shape serving may run (`buckets.step_shapes`), as executable keys."""
+        return [("step", rows, chunk) for rows, chunk in step_shapes(self.buckets)]
 
     def warmup(self, params, kv, progress: bool = True) -> list[dict]:
         """Compile every step shape (see `keys`), as many at once as there are CPU cores;

@@ -91,6 +91,24 @@ def page_width_buckets(max_pages: int, dense: bool) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def step_shape(buckets: Buckets, decode_rows: int, chunk_tokens: int) -> tuple[int, int]:
+    """The compiled shape (decode rows, chunk) of a step carrying this many decode rows and
+    chunk tokens: each bucketed, and a step with a chunk pads its decode rows to the
+    largest bucket (the chunk's tokens dominate its cost, and it halves the shapes to
+    compile)."""
+    chunk = pick_bucket(chunk_tokens, buckets.chunk) if chunk_tokens else 0
+    rows = 0 if not decode_rows else (
+        buckets.batch[-1] if chunk else pick_bucket(decode_rows, buckets.batch))
+    return rows, chunk
+
+
+def step_shapes(buckets: Buckets) -> list[tuple[int, int]]:
+    """Every shape `step_shape` gives, the warm-up list: decode rows alone (a batch bucket),
+    a chunk alone (a chunk bucket), or a chunk beside the largest batch."""
+    return ([(rows, 0) for rows in buckets.batch]
+            + [(rows, chunk) for rows in (0, buckets.batch[-1]) for chunk in buckets.chunk])
+
+
 def draft_bucket(longest: int, gamma: int) -> int:
     """Draft positions a speculative cycle verifies for host proposals of at most `longest`
     tokens (they vary in number): a power of two up to the request's gamma."""
