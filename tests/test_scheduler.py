@@ -11,7 +11,7 @@ from xlr_jax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongEr
 from xlr_jax.kv.manager import KVManager, PageCopy
 from xlr_jax.model.sampling_params import SamplingParams
 from xlr_jax.planning.buckets import buckets_for, step_shape
-from xlr_jax.runtime.request import Request
+from xlr_jax.runtime.request import Request, token_budget
 from xlr_jax.runtime.scheduler import RunnerOutput, Scheduler
 
 PAGE = 4
@@ -299,3 +299,13 @@ def test_aborting_a_waiting_request_gives_its_result_and_pages():
     result = s.abort(b)
     assert result.finish_reason == "abort" and b not in s.waiting
     assert held_pages(s) == len(a.seq.pages) > 0  # a still runs
+
+
+def test_a_token_budget_is_what_was_asked_within_the_cap_and_the_context():
+    assert token_budget(100, 256) == 156  # nothing asked: all the context holds
+    assert token_budget(100, 256, asked=20) == 20
+    assert token_budget(100, 256, asked=500) == 156
+    assert token_budget(100, 256, asked=50, cap=30) == 30  # a server's default caps it
+    assert token_budget(100, 256, cap=30) == 30
+    s = make_scheduler(num_pages=80)
+    assert make_request(s, 0, [1] * 250, max_tokens=100).limit == CONTEXT - 250

@@ -90,7 +90,7 @@ class Request:
         self.stop_text = StopText(params.stop)
         eos = frozenset() if params.ignore_eos or not tokenizer else tokenizer.eos_token_ids
         self.eos = eos | frozenset(params.stop_token_ids)
-        self.limit = min(params.max_tokens, max_context - len(prompt_ids))
+        self.limit = token_budget(len(prompt_ids), max_context, params.max_tokens)
         self.generated: list[int] = []
         self.forced: list[int] = []  # tokens to append at the next step boundary
         self.step_bias: np.ndarray | None = None  # its logits processor's, for the next step
@@ -214,3 +214,11 @@ class Request:
         return GenerationResult(self.stop_text.text, list(self.generated),
                                 self.finish_reason, metrics, self.particles,
                                 None if self.logprobs is None else list(self.logprobs))
+
+
+def token_budget(prompt_tokens: int, max_context: int, asked: int | None = None,
+                 cap: int | None = None) -> int:
+    """The tokens a request may generate: what it `asked` for, at most `cap` (a server's
+    default), within what the context holds after its prompt (all of that when neither
+    is given)."""
+    return min([max_context - prompt_tokens] + [n for n in (asked, cap) if n])

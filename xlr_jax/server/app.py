@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import xlr_jax
 from xlr_jax.errors import (InvalidRequestError, PromptTooLongError, QueueFullError,
                             TokenizerError, XlrError)
+from xlr_jax.runtime.request import token_budget
 from xlr_jax.server import messages as chat_messages
 from xlr_jax.server.constraints import (Constraint, Grammars, response_format_constraint,
                                         tool_choice_constraint)
@@ -227,9 +228,9 @@ class Server:
         return ids, (stable, max(tiers[1], stable))
 
     def budget(self, ids, max_tokens: int | None) -> int:
-        """The tokens a request may generate: what it asked for, within the context."""
-        limit = min(self.max_context - len(ids), self.defaults.max_tokens or self.max_context)
-        return min(max_tokens or limit, limit)
+        """The tokens a request may generate: what it asked for, at most the server's
+        default, within the context."""
+        return token_budget(len(ids), self.max_context, max_tokens, self.defaults.max_tokens)
 
     async def constraint(self, body, budget: int) -> Constraint | None:
         """The grammar a chat request holds its output to (tool_choice "required" or a
