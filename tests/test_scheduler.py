@@ -309,3 +309,31 @@ def test_a_token_budget_is_what_was_asked_within_the_cap_and_the_context():
     assert token_budget(100, 256, cap=30) == 30
     s = make_scheduler(num_pages=80)
     assert make_request(s, 0, [1] * 250, max_tokens=100).limit == CONTEXT - 250
+
+
+def test_speculation_verifies_as_rows_where_the_plan_says_rows_pay():
+    """A speculating request verifies as rows of the step beside a chunk, beside
+    rows_from_streams plain streams, or at a context of at most rows_up_to_context tokens;
+    otherwise, and alone, it runs a cycle of its own."""
+    from xlr_jax.speculative.config import SpecConfig
+
+    def scheduler_with(plain: int, prompt: int):
+        s = make_scheduler(num_pages=64, max_batch=4)
+        s.rows_from_streams, s.rows_up_to_context = 3, 8
+        spec = make_request(s, 0, list(range(1, prompt + 1)), max_tokens=40)
+        spec.spec = SpecConfig(method="exact", draft="ngram")
+        for r in [spec] + [make_request(s, i + 1, [7, 8], max_tokens=20) for i in range(plain)]:
+            s.add(r)
+        while any(not r.generated for r in s.running) or s.waiting:
+            iterate(s)  # prefill them all (the stand-in runner decodes every row)
+        s.prepare()
+        return s.plan(), spec
+
+    plan, spec = scheduler_with(plain=1, prompt=20)  # a long context beside one stream
+    assert plan.steps and spec in plan.speculating and spec not in plan.rows
+    plan, spec = scheduler_with(plain=3, prompt=20)  # beside three
+    assert spec in plan.rows
+    plan, spec = scheduler_with(plain=1, prompt=4)  # a short context
+    assert spec in plan.rows
+    plan, spec = scheduler_with(plain=0, prompt=4)  # alone: no step, its own cycle
+    assert not plan.steps and plan.rows == [] and plan.speculating == [spec]

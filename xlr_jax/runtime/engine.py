@@ -65,7 +65,9 @@ class Engine:
                                    max_step_tokens=plan.max_step_tokens,
                                    step_cost_tokens=plan.step_cost_tokens,
                                    max_preemptions=plan.max_preemptions,
-                                   vocab_size=config.vocab_size)
+                                   vocab_size=config.vocab_size,
+                                   rows_from_streams=plan.speculative.rows_from_streams,
+                                   rows_up_to_context=plan.speculative.rows_up_to_context)
         self.spec = SpecRunner(self.scheduler, self.runner, self.buckets, plan.speculative)
         self._lock = threading.RLock()  # one driver at a time; logits may run inside serve
         # check the page pool's invariants after every step (slow; tests turn it on)
@@ -179,21 +181,18 @@ class Engine:
                 yield from self._update(inflight)
                 inflight = None
             yield from s.prepare()
-            running = [r for r in s.running if r.finish_reason is None]
-            plain = [r for r in running if r.decoding and r.spec is None]
-            speculating = [r for r in running if r.decoding and r.spec is not None]
-            chunk = next((r for r in running if not r.decoding), None)
-            if plain or chunk:  # speculation verifies as rows of this step where it pays
-                rows = [r for r in speculating
-                        if self.spec.verifies_in_rows(r, len(plain), chunk is not None)]
+            plan = s.plan()
+            cycles = plan.speculating
+            if plan.steps:  # speculation verifies as rows of this step where it pays
                 verify = []
-                if rows:
+                if plan.rows:
                     verify, left = self.spec.proposals(
-                        rows, self.buckets.batch[-1] - len(plain), self.kv.owed_to(running))
-                    speculating = [r for r in speculating if r not in rows or r in left]
-                inflight = self.runner.execute(s.step(plain, chunk, verify))
-            if speculating:  # after the plain step: the cycles read its KV
-                yield from self.spec.run(speculating, self.kv.owed_to(running))
+                        plan.rows, self.buckets.batch[-1] - len(plan.plain),
+                        self.kv.owed_to(plan.running))
+                    cycles = [r for r in cycles if r not in plan.rows or r in left]
+                inflight = self.runner.execute(s.step(plan.plain, plan.chunk, verify))
+            if cycles:  # after the plain step (what it reserved counted): cycles read its KV
+                yield from self.spec.run(cycles, self.kv.owed_to(plan.running))
 
     def _update(self, step: InFlight) -> list:
         """Read a step back and let the scheduler take its tokens (and speculation its

@@ -69,6 +69,24 @@ class SchedulerOutput:
 
 
 @dataclass
+class StepPlan:
+    """What runs next, by kind: the plain requests' decode rows, the request whose prompt
+    is prefilled, and the speculating requests that have their first token, of which
+    `rows` verify as rows of the step (the others, and those rows have no room for, run a
+    cycle of their own after it)."""
+    running: list[Request]  # every running request (what they are owed holds pages back)
+    plain: list[Request]
+    chunk: Request | None
+    speculating: list[Request]
+    rows: list[Request]
+
+    @property
+    def steps(self) -> bool:
+        """Whether a ragged step runs (else only cycles)."""
+        return bool(self.plain or self.chunk)
+
+
+@dataclass
 class RunnerOutput:
     """What the model runner read back of a step: each row's sampled token and, where the
     step's requests asked, each row's (chosen, top ids, top values) log-probabilities."""
@@ -83,8 +101,11 @@ class Scheduler:
 
     def __init__(self, kv: KVManager, buckets: Buckets, *, max_batch: int,
                  max_step_tokens: int, step_cost_tokens: int, max_preemptions: int,
-                 vocab_size: int):
+                 vocab_size: int, rows_from_streams: int = 3, rows_up_to_context: int = 512):
         self.kv, self.buckets = kv, buckets
+        # a speculating request verifies as rows of the step (else a cycle of its own)
+        # beside this many plain streams, or up to this context (the plan's policy)
+        self.rows_from_streams, self.rows_up_to_context = rows_from_streams, rows_up_to_context
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens  # decode rows + the chunk beside them
         self.step_cost_tokens = step_cost_tokens  # splits a prompt's tail (first_chunk)
@@ -183,6 +204,27 @@ class Scheduler:
         self.running += self._admit()
         events += self._make_room()
         return events + self.process_logits(self.running)
+
+    def plan(self) -> StepPlan:
+        """After `prepare`: what runs next. A speculating request verifies as rows of the
+        step where rows measured faster than its own cycle: beside a prefill chunk (whose
+        step pads its rows to the largest bucket anyway), beside enough plain streams, or
+        at a short enough context (a decode row walks its context's pages alone)."""
+        running = [r for r in self.running if r.finish_reason is None]
+        plain = [r for r in running if r.decoding and r.spec is None]
+        speculating = [r for r in running if r.decoding and r.spec is not None]
+        chunk = next((r for r in running if not r.decoding), None)
+        rows = []
+        if plain or chunk:
+            rows = [r for r in speculating
+                    if chunk is not None or len(plain) >= self.rows_from_streams
+                    or self._context(r) <= self.rows_up_to_context]
+        return StepPlan(running, plain, chunk, speculating, rows)
+
+    @staticmethod
+    def _context(r: Request) -> int:
+        """The tokens a request's rows attend to (an SMC request's: its longest particle's)."""
+        return r.smc.most_tokens() if r.smc is not None else r.seq.length
 
     def can_run_ahead(self, last: SchedulerOutput) -> bool:
         """Whether the next step may be dispatched before `last`'s tokens are read back:

@@ -3,7 +3,8 @@
 Speculating requests live in the engine's one loop beside plain ones (see
 `Engine.serve`): they prefill in its ragged steps and sample their first token
 there. They verify as rows of the ragged step when it runs for other requests and
-rows measured faster than a cycle of their own (`verifies_in_rows`, `proposals`,
+rows measured faster than a cycle of their own (the scheduler decides: `Scheduler.plan`;
+`proposals`,
 `take_verified`): one target pass for all. So do an SMC request's particles, when its
 population fits in the step's rows. Host proposals (n-gram) are made before the
 step; a device draft (self:K, a draft model) proposes in a pass of its own
@@ -199,22 +200,9 @@ class SpecRunner:
 
     # ------------------------------------------------------------ rows of the ragged step
 
-    def verifies_in_rows(self, r, plain_rows: int, chunk: bool) -> bool:
-        """Whether a request verifies its drafts (an SMC request: its particles' drafts)
-        as rows of a ragged step that runs `plain_rows` decode rows and maybe a prefill
-        `chunk` (whose step pads its rows to the largest bucket anyway): where rows
-        measured faster than its own cycle (the plan's `SpeculativePolicy`). Host proposals are
-        decided by the plain sampler's draws (`acceptance.accept_by_matching`); a device
-        draft's by `SpecSteps.judge` on the step's logits, as its own cycle would:
-        either way, the same tokens."""
-        context = r.smc.most_tokens() if r.smc is not None else r.seq.length
-        policy = self.policy
-        return (chunk or plain_rows >= policy.rows_from_streams
-                or context <= policy.rows_up_to_context)
-
     def proposals(self, reqs, room: int, promised: int) -> tuple[list["Proposal"], list]:
         """Proposals to verify as rows of a ragged step with `room` rows for them: one for
-        each exact request of `reqs` (see `verifies_in_rows`) and one for each live
+        each exact request of `reqs` (`Scheduler.plan` chose them) and one for each live
         particle of each SMC request whose population fits (sized from the pages nobody
         else is promised, see `_smc`) and, with all its drafts, fits in the rows (fewer
         drafts would change what it generates). The rows left after those and every
