@@ -227,6 +227,9 @@ def test_overrides_are_kept_and_quantized_kv_halves_page_bytes():
     assert p.reasons["page_size"] == "set by the caller"
     # int8 values plus one f32 scale per token and head, against bf16 values
     assert p.memory.page_bytes * 16 / 32 == pytest.approx(base.memory.page_bytes * (1 + 4 / 128) / 2)
+    # the roofline counts the same bytes a KV token takes, scales included
+    kv_token = estimate(LLAMA3_8B, PROFILES["gpu80"], prompt=64, kv_bytes=1)["kv_bytes_per_token"]
+    assert kv_token * p.page_size == p.memory.page_bytes
 
 
 def test_avx512_cpus_compile_with_wide_vectors(smollm2):

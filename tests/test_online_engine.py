@@ -200,3 +200,17 @@ def test_chunk_attention_experiment_quick(tmp_path, cache_dir, cpu_kernels_on):
     assert len(r["steps"]) == len(r["settings"]["steps"]) * len(r["settings"]["positions"])
     for f in r["steps"].values():
         assert f["kernel_over_walk"] == pytest.approx(f["kernel_s"] / f["walk_s"])
+
+
+def test_same_outputs_experiment_quick(tmp_path, cache_dir):
+    """experiments/same_outputs.py --quick against HEAD: both sides ran every request in
+    fresh processes, and this checkout gives what the commit gives."""
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "same_outputs.py"),
+                          "--base", "HEAD", "--quick", "--out", str(tmp_path),
+                          "--cache-dir", str(cache_dir)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (path,) = tmp_path.glob("same_outputs-quick-*.json")
+    r = json.loads(path.read_text())
+    assert r["requests"] == 6 and r["differ"] == [] and r["same"]
+    assert all(len(v[0]) == 8 for key, v in r["outputs"].items() if key[0].isdigit())

@@ -19,12 +19,13 @@ CONTEXT = 256
 
 
 def make_scheduler(num_pages=32, max_batch=4, chunk=16, budget=None, prefix_cache=True,
-                   max_preemptions=2) -> Scheduler:
-    kv = KVManager(num_pages, PAGE, prefix_cache=prefix_cache, namespace="test")
+                   max_preemptions=2, rows_up_to_context=512) -> Scheduler:
+    kv = KVManager(num_pages, PAGE, {}, prefix_cache=prefix_cache, namespace="test")
     buckets = buckets_for(max_batch, chunk, -(-CONTEXT // PAGE), dense=True)
     return Scheduler(kv, buckets, max_batch=max_batch,
                      max_step_tokens=budget or max_batch + chunk, step_cost_tokens=0,
-                     max_preemptions=max_preemptions, vocab_size=1000)
+                     max_preemptions=max_preemptions, vocab_size=1000, rows_from_streams=3,
+                     rows_up_to_context=rows_up_to_context)
 
 
 def make_request(s: Scheduler, index: int, prompt: list[int], max_tokens=8,
@@ -50,7 +51,7 @@ def fake_result(s: Scheduler, out) -> RunnerOutput:
         sampled[j] = token_for(r)
     if out.chunk is not None:
         sampled[rows] = token_for(out.chunk)
-    return RunnerOutput(sampled, None, rows)
+    return RunnerOutput(sampled)
 
 
 def iterate(s: Scheduler):
@@ -318,8 +319,7 @@ def test_speculation_verifies_as_rows_where_the_plan_says_rows_pay():
     from xlr_jax.speculative.config import SpecConfig
 
     def scheduler_with(plain: int, prompt: int):
-        s = make_scheduler(num_pages=64, max_batch=4)
-        s.rows_from_streams, s.rows_up_to_context = 3, 8
+        s = make_scheduler(num_pages=64, max_batch=4, rows_up_to_context=8)
         spec = make_request(s, 0, list(range(1, prompt + 1)), max_tokens=40)
         spec.spec = SpecConfig(method="exact", draft="ngram")
         for r in [spec] + [make_request(s, i + 1, [7, 8], max_tokens=20) for i in range(plain)]:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from xlr_jax.api import load_model
+from xlr_jax.kv.pages import pages_for
 from xlr_jax.loading.registry import resolve_model
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import LayerParams, Params
@@ -116,12 +117,12 @@ def random_xlr(spec: dict) -> XlrRunner:
     p = plan(probe(), config, Workload(max_batch=1, prefill_chunk=spec.get("prefill_chunk", 512),
                                        max_context=config.max_context),
              dtype=dtype.name, page_size=page_size,
-             num_pages=2 * -(-config.max_context // page_size) + 1)
+             num_pages=2 * pages_for(config.max_context, page_size) + 1)
     engine = Engine(config, random_params(config, dtype, spec.get("seed", 0)), None, p,
                     prefix_cache=False)
     info = {"model": f"random {config.architecture} weights", "dtype": dtype.name,
             "shape": spec["shape"], "param_bytes": engine.runner.params.nbytes(),
-            "attn_impl": engine.runner.steps.attn_impl}
+            "attn_impl": p.attn_impl}
     return XlrRunner(spec.get("label", "xlr-jax-random"), engine, info)
 
 

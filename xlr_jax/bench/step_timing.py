@@ -34,10 +34,11 @@ def row_tables(engine, width: int, rows: int, seen: int) -> list[np.ndarray]:
 def step_batch(model, steps, decode_rows: int, chunk: int, position: int):
     """A StepBatch (for `steps`' buckets) of `decode_rows` random tokens at `position`,
     each row on pages of its own, and a `chunk`-token random chunk from there."""
+    from xlr_jax.kv.pages import pages_for
     from xlr_jax.model.sampling_params import SamplingParams
 
     engine = model.engine
-    seen = -(-(position + chunk + 1) // engine.runner.kv.page_size)
+    seen = pages_for(position + chunk + 1, engine.runner.kv.page_size)
     tables = row_tables(engine, steps.buckets.table_width, decode_rows + 1, seen)
     builder = steps.builder(decode_rows, chunk)
     rng = np.random.default_rng(0)

@@ -63,15 +63,15 @@ class KVManager:
     `kv_layout`: each KV leaf's (dtype, shape) with the page axis second, as the device
     pool has it: what a stable tier read from disk must match."""
 
-    def __init__(self, num_pages: int, page_size: int, *, prefix_cache: bool = True,
-                 namespace: str = "", max_pinned_share: float = 1.0,
-                 tier_store: TierStore | None = None, kv_layout: dict | None = None):
+    def __init__(self, num_pages: int, page_size: int, kv_layout: dict, *,
+                 prefix_cache: bool = True, namespace: str = "", max_pinned_share: float = 1.0,
+                 tier_store: TierStore | None = None):
         self.pool = PagePool(num_pages, page_size)
         # full prompt pages shared across requests; the namespace keeps models apart
         self.cache = (PrefixCache(self.pool, namespace, max_pinned_share)
                       if prefix_cache else None)
         self.tier_store = tier_store if prefix_cache else None  # stable tiers on disk
-        self.kv_layout = kv_layout or {}
+        self.kv_layout = kv_layout
         self._persisted: set[tuple] = set()
         self._ops: list[PageOp] = []
 
@@ -172,15 +172,11 @@ class KVManager:
         if req.smc is not None:
             req.smc.release()
 
-    @staticmethod
-    def holders(running) -> list[SequencePages]:
-        """Every sequence holding pages for `running` (an SMC request's: its particles)."""
-        return [s for r in running for s in
-                ([p.seq for p in r.smc.particles] if r.smc is not None else [r.seq])]
-
     def check(self, running) -> None:
-        """The pool's invariants against what `running` holds (a debug check)."""
-        self.pool.check(self.holders(running))
+        """The pool's invariants against the sequences `running` holds pages by (an SMC
+        request's: its particles'), a debug check."""
+        self.pool.check([s for r in running for s in
+                         ([p.seq for p in r.smc.particles] if r.smc is not None else [r.seq])])
 
     # ------------------------------------------------------------ admission
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from xlr_jax.kv.pages import pages_for
+
 TIERS = ("stable", "context", "volatile")
 
 
@@ -228,7 +230,7 @@ class PrefixCache:
         return lru is not None
 
     def _tier_pages(self) -> int:
-        return sum(-(-len(t) // self.page_size) for t in self._tiers)
+        return sum(pages_for(len(t), self.page_size) for t in self._tiers)
 
     def registered(self) -> list[tuple]:
         """The registered stable tiers' token ids."""

@@ -21,7 +21,7 @@ from xlr_jax.loading.tokenizer import Tokenizer
 
 def shared_prefix(a, b) -> int:
     """How many leading tokens two id lists share."""
-    return len(os.path.commonprefix([list(a), list(b)]))
+    return len(os.path.commonprefix([a, b]))
 
 
 def check_prompt(ids: list[int], max_context: int) -> list[int]:

@@ -18,9 +18,10 @@ import jax.numpy as jnp
 
 from xlr_jax.errors import PlanError
 from xlr_jax.kv.paged_kv import is_quantized
+from xlr_jax.kv.pages import pages_for
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.ops import IMPLS, cpu_attention, cpu_kernels, cpu_linear, walk_sizes
-from xlr_jax.planning.buckets import (ATTN_BLOCK_PAGES, REDUCE_ROWS, Buckets, buckets_for)
+from xlr_jax.planning.buckets import ATTN_BLOCK_PAGES, REDUCE_ROWS, Buckets, buckets_for
 from xlr_jax.planning.hardware import HardwareProfile
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class ExecutionPlan:
 def particle_pages(context_len: int, gamma: int, page_size: int) -> int:
     """Private pages one extra particle needs: its copy of the shared partial page plus
     room for gamma + 1 new tokens (full prefix pages are shared, copy-on-write)."""
-    return -(-(context_len % page_size + gamma + 1) // page_size)
+    return pages_for(context_len % page_size + gamma + 1, page_size)
 
 
 def particles_for(free_pages: int, context_len: int, gamma: int, *, page_size: int,
@@ -318,7 +319,7 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
 
     why["memory"] = (f"budgeted from {hardware.memory_free_bytes / GB:.2f} GB free"
                      + (f": {hardware.memory_source}" if hardware.memory_source else ""))
-    per_context = -(-context // ps)
+    per_context = pages_for(context, ps)
     while True:
         memory = _budget(hardware, config, compute, kv, ps, batch, chunk, context, impl)
         fits = memory.kv_budget_bytes // memory.page_bytes - 1  # page 0 is scratch

@@ -52,15 +52,16 @@ class Engine:
         self.config, self.tokenizer, self.plan = config, tokenizer, plan
         self.max_context = plan.max_context
         self.buckets = plan.buckets  # the shapes every step is compiled for
-        self.kv = KVManager(plan.num_pages, plan.page_size, prefix_cache=prefix_cache,
-                            namespace=cache_namespace, max_pinned_share=plan.max_pinned_share,
-                            tier_store=tier_store)
+        # the runner applies the page operations the KV manager queues (made next, from
+        # the runner's pool layout)
         self.runner = ModelRunner(config, params, num_pages=plan.num_pages,
                                   page_size=plan.page_size, kv_dtype=jnp.dtype(plan.kv_dtype),
                                   buckets=self.buckets, attn_impl=plan.attn_impl,
                                   compiler_options=plan.compiler_options,
-                                  page_ops=self.kv.take_ops)
-        self.kv.kv_layout = self.runner.kv_layout()
+                                  page_ops=lambda: self.kv.take_ops())
+        self.kv = KVManager(plan.num_pages, plan.page_size, self.runner.kv_layout(),
+                            prefix_cache=prefix_cache, namespace=cache_namespace,
+                            max_pinned_share=plan.max_pinned_share, tier_store=tier_store)
         self.scheduler = Scheduler(self.kv, self.buckets, max_batch=plan.max_batch,
                                    max_step_tokens=plan.max_step_tokens,
                                    step_cost_tokens=plan.step_cost_tokens,
@@ -133,10 +134,8 @@ class Engine:
         requests, cached at refcount 0, pinned by stable tiers), preemptions, plain steps
         run and their mean time over the last 256, speculative totals, and the prefix
         cache's queries and hits per tier (`prefix_cache.*`)."""
-        pages = self.kv.stats()
-        cache = pages.pop("prefix_cache")
-        return {**pages, "preemptions": self.scheduler.preemptions, **self.runner.stats(),
-                "speculative": dict(self.spec.totals), "prefix_cache": cache}
+        return {**self.kv.stats(), "preemptions": self.scheduler.preemptions,
+                **self.runner.stats(), "speculative": dict(self.spec.totals)}
 
     def logits(self, ids: list[int]) -> np.ndarray:
         """Logits [len(ids), vocab] of a prompt, prefilled in chunks on a scratch sequence."""

@@ -45,7 +45,6 @@ class InFlight:
     logits: object      # [rows, V] (device drafts are judged on them)
     logprobs: tuple     # chosen [rows], top ids and values [rows, k]
     sampling: SamplingBatch  # the rows' (a late bias draws again with it)
-    chunk_row: int      # the chunk's row: after every (padded) decode row
     started: float      # when it was dispatched
 
 
@@ -124,8 +123,7 @@ class ModelRunner:
         started = time.perf_counter()
         batch = build.build(feed)
         tokens, logits, logprobs, self._kv = self.steps.step(self._params, self._kv, batch)
-        return InFlight(out, tokens, logits, logprobs, batch.sampling,
-                        build.batch.decode_rows, started)
+        return InFlight(out, tokens, logits, logprobs, batch.sampling, started)
 
     def read(self, step: InFlight, timed: bool = True) -> RunnerOutput:
         """Read a dispatched step's tokens (and log-probabilities, where its requests asked)
@@ -141,7 +139,7 @@ class ModelRunner:
             self._step_times.append(now - max(step.started, self._last_read))
             self._last_read = now
             self.steps_run += 1
-        return RunnerOutput(sampled, logprobs, step.chunk_row)
+        return RunnerOutput(sampled, logprobs)
 
     def redraw(self, step: InFlight, biased: list[tuple[int, np.ndarray]]) -> None:
         """Draw rows again from a dispatched step's logits plus their bias (`biased`: (row,

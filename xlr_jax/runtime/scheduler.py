@@ -28,7 +28,7 @@ import numpy as np
 from xlr_jax.errors import InvalidRequestError, OutOfPagesError
 from xlr_jax.kv.manager import KVManager
 from xlr_jax.model.sampling_params import SamplingParams
-from xlr_jax.planning.buckets import Buckets, chunk_room
+from xlr_jax.planning.buckets import Buckets, chunk_room, step_shape
 from xlr_jax.runtime.request import Request
 
 # (request index, new text, GenerationResult or None): what the engine hands its callers
@@ -92,7 +92,6 @@ class RunnerOutput:
     step's requests asked, each row's (chosen, top ids, top values) log-probabilities."""
     sampled: np.ndarray
     logprobs: list | None = None
-    chunk_row: int = 0  # the chunk's row in `sampled`: after every (padded) decode row
 
 
 class Scheduler:
@@ -101,7 +100,7 @@ class Scheduler:
 
     def __init__(self, kv: KVManager, buckets: Buckets, *, max_batch: int,
                  max_step_tokens: int, step_cost_tokens: int, max_preemptions: int,
-                 vocab_size: int, rows_from_streams: int = 3, rows_up_to_context: int = 512):
+                 vocab_size: int, rows_from_streams: int, rows_up_to_context: int):
         self.kv, self.buckets = kv, buckets
         # a speculating request verifies as rows of the step (else a cycle of its own)
         # beside this many plain streams, or up to this context (the plan's policy)
@@ -188,7 +187,7 @@ class Scheduler:
         for r, piece in zip(reqs, pieces):
             if r.finish_reason is not None:
                 self.kv.publish(r, finished=True)
-                r.seq.release()
+                self.kv.release(r)
                 events.append((r.index, piece, r.result()))
             elif piece:
                 events.append((r.index, piece, None))
@@ -408,8 +407,9 @@ class Scheduler:
             self.kv.publish(r, finished=False)
             self.kv.persist_tier(r)
             self.kv.count(r)
+            # its row: after every (padded) decode row of the step's shape
+            row, _ = step_shape(self.buckets, out.rows, len(out.chunk_tokens))
             reqs.append(r)
-            pieces.append(r.accept(int(result.sampled[result.chunk_row]), now,
-                                   result.logprobs[result.chunk_row] if result.logprobs
-                                   else None))
+            pieces.append(r.accept(int(result.sampled[row]), now,
+                                   result.logprobs[row] if result.logprobs else None))
         return self.finished(reqs, pieces)

@@ -3,8 +3,7 @@
 Speculating requests live in the engine's one loop beside plain ones (see
 `Engine.serve`): they prefill in its ragged steps and sample their first token
 there. They verify as rows of the ragged step when it runs for other requests and
-rows measured faster than a cycle of their own (the scheduler decides: `Scheduler.plan`;
-`proposals`,
+rows measured faster than a cycle of their own (`Scheduler.plan` decides; `proposals`,
 `take_verified`): one target pass for all. So do an SMC request's particles, when its
 population fits in the step's rows. Host proposals (n-gram) are made before the
 step; a device draft (self:K, a draft model) proposes in a pass of its own
