@@ -49,7 +49,7 @@ def timers(model, context: int, draft_name: str):
     sampling, sampler = runner.sampling([params], [1], 1)
     tables = e.kv.block_tables([seq], 1, e.buckets.pages)
 
-    def inputs(num_draft: int) -> SimpleNamespace:  # a cycle's rows (SpecRunner's inputs)
+    def inputs(num_draft: int) -> SimpleNamespace:  # a cycle's rows (PassInputs)
         return SimpleNamespace(last=np.full(1, 5, np.int32),
                                positions=np.full(1, context, np.int32),
                                num_draft=np.full(1, num_draft, np.int32),

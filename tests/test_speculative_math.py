@@ -148,7 +148,7 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
 def test_smc_falls_back_when_the_agreement_drops_under_smc():
     """A probation passed on a good stretch, then poor agreement at the particles' draft
     positions over a window of cycles: the request falls back to exact speculation."""
-    from xlr_jax.speculative.runner import SMC_PROBATION, SmcWatch
+    from xlr_jax.speculative.population import SMC_PROBATION, SmcWatch
 
     watch = SmcWatch(min_agreement=0.7)
     for _ in range(SMC_PROBATION):

@@ -7,9 +7,11 @@ of every running plain request and a prefill chunk of the oldest one still prefi
 and speculating requests verify their drafts as rows of it where rows pay; between steps,
 requests join and leave, and the other speculating requests run their cycles.
 
-A step is three calls: the scheduler decides it (`Scheduler.step`), the runner dispatches
-it (`ModelRunner.execute`), and after reading it back the scheduler takes its tokens
-(`Scheduler.update`). Decode-only steps run one step ahead: while step n executes, step
+A step is three calls: the scheduler decides it (`Scheduler.plan`, then `Scheduler.step`
+with the rows' proposals), the runner dispatches it (`ModelRunner.execute`), and after
+reading it back (`ModelRunner.read`, which also judges the verifying rows' drafts) the
+scheduler takes its tokens (`Scheduler.update`). The speculating requests the plan leaves
+to cycles of their own run them after it (`SpecRunner.run`). Decode-only steps run one step ahead: while step n executes, step
 n+1 is already dispatched on step n's tokens (still on the device), so the host's
 bookkeeping and dispatch stay off the critical path (+3-4% tokens/s on the CPU,
 measured). A row that finishes meanwhile only wastes its slot in that one step.
@@ -36,7 +38,8 @@ from xlr_jax.runtime.model_runner import InFlight, ModelRunner
 from xlr_jax.runtime.request import GenerationResult, Request
 from xlr_jax.runtime.scheduler import Event, Scheduler, SchedulerOutput
 from xlr_jax.speculative.config import Draft, SpecConfig
-from xlr_jax.speculative.runner import SpecRunner, check_request, start_metrics
+from xlr_jax.speculative.population import start_metrics
+from xlr_jax.speculative.runner import SpecRunner, check_request
 
 
 class Engine:
@@ -181,15 +184,14 @@ class Engine:
                 inflight = None
             yield from s.prepare()
             plan = s.plan()
-            cycles = plan.speculating
-            if plan.steps:  # speculation verifies as rows of this step where it pays
-                verify = []
-                if plan.rows:
-                    verify, left = self.spec.proposals(
-                        plan.rows, self.buckets.batch[-1] - len(plan.plain),
-                        self.kv.owed_to(plan.running))
-                    cycles = [r for r in cycles if r not in plan.rows or r in left]
+            verify, left = [], []
+            if plan.rows:  # speculation verifies as rows of this step where it pays
+                verify, left = self.spec.proposals(
+                    plan.rows, self.buckets.batch[-1] - len(plan.plain),
+                    self.kv.owed_to(plan.running))
+            if plan.steps:
                 inflight = self.runner.execute(s.step(plan.plain, plan.chunk, verify))
+            cycles = plan.cycles(left)
             if cycles:  # after the plain step (what it reserved counted): cycles read its KV
                 yield from self.spec.run(cycles, self.kv.owed_to(plan.running))
 
@@ -201,7 +203,7 @@ class Engine:
         result = self.runner.read(step)
         verified = ([], [])
         if out.verify:
-            verified = self.spec.take_verified(out.verify, result.sampled, step.logits,
+            verified = self.spec.take_verified(out.verify, result.verdicts,
                                                time.perf_counter())
         events = self.scheduler.update(out, result, verified)
         self.runner.apply_page_ops()

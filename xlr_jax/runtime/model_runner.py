@@ -34,7 +34,10 @@ from xlr_jax.model.steps import Steps
 from xlr_jax.planning.buckets import Buckets, pick_bucket
 from xlr_jax.runtime.scheduler import RunnerOutput, SchedulerOutput
 from xlr_jax.speculative.config import Draft, ModelDraft
+from xlr_jax.speculative.acceptance import accept_by_matching
 from xlr_jax.speculative.cycle import SpecSteps
+from xlr_jax.speculative.outcome import Verdict
+from xlr_jax.speculative.proposals import DeviceDrafts
 
 
 @dataclass
@@ -133,13 +136,49 @@ class ModelRunner:
         if step.out.wants_logprobs():
             chosen, ids, values = (np.asarray(x) for x in step.logprobs)
             logprobs = list(zip(chosen, ids, values))
+        verdicts = self._verdicts(step, sampled) if step.out.verify else []
         if timed:
             now = time.perf_counter()
             # the step ran from its dispatch, or from the end of the one ahead of it
             self._step_times.append(now - max(step.started, self._last_read))
             self._last_read = now
             self.steps_run += 1
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, verdicts)
+
+    def _verdicts(self, step: InFlight, sampled: np.ndarray) -> list[Verdict]:
+        """What each verifying request (or particle) of a step keeps of its drafts, decided
+        on the step's own output: host drafts (point masses) by matching the tokens the
+        step drew (`accept_by_matching`), a device draft's by judging them on the step's
+        logits, once per proposal pass (exact acceptance, or SMC's weights)."""
+        judged: dict[int, tuple] = {}
+        verdicts = []
+        for prop, row, _ in step.out.verify:
+            if prop.device is None:
+                (accepted,), (nxt,) = accept_by_matching(
+                    sampled[row:row + len(prop.drafts) + 1][None],
+                    np.asarray(prop.drafts, np.int32)[None], np.array([len(prop.drafts)]),
+                    xp=np)
+                verdicts.append(Verdict(int(accepted), int(nxt)))
+                continue
+            if id(prop.device) not in judged:
+                judged[id(prop.device)] = self._judge(prop.device, step)
+            accepted, nxt, log_p, log_q, agreement = judged[id(prop.device)]
+            j = prop.slot
+            verdicts.append(Verdict(int(accepted[j]), int(nxt[j]), log_p[j], log_q[j],
+                                    agreement[j]))
+        return verdicts
+
+    def _judge(self, device: DeviceDrafts, step: InFlight) -> tuple:
+        """Exact acceptance (or SMC's bonus tokens and weights) of one device proposal
+        pass's rows, on the step's logits: (accepted, next, log p, log q, agreement),
+        read back."""
+        x, gamma = device.x, device.drafts.shape[1]
+        index = np.zeros((len(x.last), gamma + 1), np.int32)
+        for prop, row, _ in step.out.verify:
+            if prop.device is device:  # positions past a row's drafts repeat its last
+                index[prop.slot] = row + np.minimum(np.arange(gamma + 1), len(prop.drafts))
+        return tuple(map(np.asarray, self.judge(step.logits, index, device.drafts, device.q,
+                                                x, method=device.method)))
 
     def redraw(self, step: InFlight, biased: list[tuple[int, np.ndarray]]) -> None:
         """Draw rows again from a dispatched step's logits plus their bias (`biased`: (row,
@@ -204,7 +243,7 @@ class ModelRunner:
             self._draft_steps[draft.name], draft.params, self._draft_kvs[draft.name], ids, seq)
 
     def cycle(self, draft: Draft, x, proposed, *, gamma: int, method: str):
-        """One speculative cycle over rows `x` (SpecRunner's inputs) with host proposals
+        """One speculative cycle over rows `x` (`PassInputs`) with host proposals
         `proposed` [B, gamma] (device drafts propose their own): (accepted, next, drafts,
         log p, log q, agreement), on the device."""
         self.apply_page_ops()
@@ -229,8 +268,8 @@ class ModelRunner:
         return drafts, q
 
     def judge(self, logits, index, drafts, q, x, *, method: str):
-        """What a cycle of `method` keeps of `propose`'s drafts scored in a ragged step's
-        `logits` (see SpecSteps.judge)."""
+        """What a cycle of `method` keeps of `propose`'s drafts scored at rows `index` of a
+        ragged step's `logits` (see SpecSteps.judge), on the device."""
         return self.spec_steps.judge(logits, index, drafts, q, x.num_draft, x.sampling,
                                      x.salt, sampler=x.sampler, method=method)
 

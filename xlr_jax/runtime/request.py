@@ -76,7 +76,7 @@ class Request:
         self.cached_tokens = 0
         self.cache_metrics: dict = {}
         # speculative decoding: its configuration and resolved draft (None: plain), its
-        # metrics (speculative.runner.start_metrics), an SMC request's population while it
+        # metrics (speculative.population.start_metrics), an SMC request's population while it
         # runs, a draft model's KV written yet
         self.spec, self.draft = spec, draft
         self.spec_metrics: dict = spec_metrics or {}

@@ -3,7 +3,7 @@ only; it imports no jax and owns no device state.
 
 A step (`SchedulerOutput`) carries one token of each running plain request (a decode
 row), at most one prefill chunk (of the oldest request still prefilling), and the rows of
-speculating requests verifying their drafts (`xlr_jax.speculative.runner` proposes them).
+speculating requests verifying their drafts (`xlr_jax.speculative.proposals` makes them).
 Between steps the scheduler accepts forced tokens, admits waiting requests in order while
 their pages fit (`KVManager.admit`), finds every running request its next page, preempting
 the most recently admitted plain request when the pool runs short, and asks the requests'
@@ -85,13 +85,21 @@ class StepPlan:
         """Whether a ragged step runs (else only cycles)."""
         return bool(self.plain or self.chunk)
 
+    def cycles(self, left: list[Request] = ()) -> list[Request]:
+        """The speculating requests that run a cycle of their own after the step, in
+        order: those not verifying as rows, and `left` (rows of which had no room)."""
+        return [r for r in self.speculating if r not in self.rows or r in left]
+
 
 @dataclass
 class RunnerOutput:
-    """What the model runner read back of a step: each row's sampled token and, where the
-    step's requests asked, each row's (chosen, top ids, top values) log-probabilities."""
+    """What the model runner read back of a step: each row's sampled token, where the
+    step's requests asked each row's (chosen, top ids, top values) log-probabilities, and
+    a verdict for each of the step's `verify` entries (what it keeps of its drafts:
+    `speculative.outcome.Verdict`)."""
     sampled: np.ndarray
     logprobs: list | None = None
+    verdicts: list = field(default_factory=list)
 
 
 class Scheduler:
