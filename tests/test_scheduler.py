@@ -55,15 +55,11 @@ def fake_result(s: Scheduler, out) -> RunnerOutput:
 
 
 def iterate(s: Scheduler):
-    """One engine iteration without run-ahead: prepare, the step, its update. Returns
+    """One engine iteration without run-ahead: schedule, the step, its update. Returns
     (the step, its events), events before the step included."""
-    events = s.prepare()
-    running = [r for r in s.running if r.finish_reason is None]
-    plain = [r for r in running if r.decoding]
-    chunk = next((r for r in running if not r.decoding), None)
-    out = s.step(plain, chunk)
+    out = s.schedule()
     s.kv.take_ops()  # the runner would apply them
-    return out, events + s.update(out, fake_result(s, out))
+    return out, out.events + s.update(out, fake_result(s, out))
 
 
 def drain(s: Scheduler, limit=500) -> dict:
@@ -337,3 +333,42 @@ def test_speculation_verifies_as_rows_where_the_plan_says_rows_pay():
     assert spec in plan.rows
     plan, spec = scheduler_with(plain=0, prompt=4)  # alone: no step, its own cycle
     assert not plan.steps and plan.rows == [] and plan.speculating == [spec]
+
+
+def test_schedule_asks_for_the_rows_drafts_and_leaves_the_rest_to_cycles():
+    """`schedule` puts a speculating request's proposal in the step's rows when the plan
+    verifies it there, and leaves it to a cycle when its proposer does; alone, it is a
+    cycle with no step."""
+    from xlr_jax.speculative.config import SpecConfig
+    from xlr_jax.speculative.proposals import Proposal
+
+    s = make_scheduler(num_pages=64, max_batch=4)
+    spec = make_request(s, 0, [1, 2, 3, 4], max_tokens=40)
+    spec.spec = SpecConfig(method="exact", draft="ngram")
+    streams = [make_request(s, 1, [7, 8], max_tokens=20)]  # beside it: rows pay (its context)
+    for r in [spec, *streams]:
+        s.add(r)
+    while any(not r.generated for r in s.running) or s.waiting:
+        iterate(s)
+    asked = []
+
+    def verify_rows(plan):
+        asked.append(list(plan.rows))
+        return [Proposal(spec, [5, 6])], []
+
+    start = spec.seq.length
+    out = s.schedule(verify_rows)
+    assert asked == [[spec]] and out.runs and out.cycles == []
+    assert out.decode == streams and [p.request for p, _, _ in out.verify] == [spec]
+    assert out.tokens[1:] == [spec.generated[-1], 5, 6]  # its last token, then its drafts
+    s.update(out, fake_result(s, out))
+    spec.seq.trim(start + 1)  # the verdict (SpecRunner.take_verified): both drafts
+    spec.accept(42, 0.0)      # rejected, another token in their place
+    out = s.schedule(lambda plan: ([], list(plan.rows)))  # its proposer gives it a cycle
+    assert out.cycles == [spec] and not out.verify and out.decode == streams
+    assert out.promised == s.kv.owed_to(s.running)
+    for r in streams:
+        s.abort(r)
+    s.drop_ended()
+    out = s.schedule(verify_rows)
+    assert not out.runs and out.cycles == [spec] and len(asked) == 1

@@ -7,11 +7,12 @@ of every running plain request and a prefill chunk of the oldest one still prefi
 and speculating requests verify their drafts as rows of it where rows pay; between steps,
 requests join and leave, and the other speculating requests run their cycles.
 
-A step is three calls: the scheduler decides it (`Scheduler.plan`, then `Scheduler.step`
-with the rows' proposals), the runner dispatches it (`ModelRunner.execute`), and after
-reading it back (`ModelRunner.read`, which also judges the verifying rows' drafts) the
-scheduler takes its tokens (`Scheduler.update`). The speculating requests the plan leaves
-to cycles of their own run them after it (`SpecRunner.run`). Decode-only steps run one step ahead: while step n executes, step
+A step is three calls: the scheduler decides it (`Scheduler.schedule`, which asks
+speculation for the drafts of the rows that verify), the runner dispatches it
+(`ModelRunner.execute`), and after reading it back (`ModelRunner.read`, which also judges
+the verifying rows' drafts) the scheduler takes its tokens (`Scheduler.update`). The
+speculating requests the schedule leaves to cycles of their own run them after it
+(`SpecRunner.run`). Decode-only steps run one step ahead: while step n executes, step
 n+1 is already dispatched on step n's tokens (still on the device), so the host's
 bookkeeping and dispatch stay off the critical path (+3-4% tokens/s on the CPU,
 measured). A row that finishes meanwhile only wastes its slot in that one step.
@@ -36,7 +37,7 @@ from xlr_jax.model.sampling_params import SamplingParams
 from xlr_jax.planning.mapper import ExecutionPlan
 from xlr_jax.runtime.model_runner import InFlight, ModelRunner
 from xlr_jax.runtime.request import GenerationResult, Request
-from xlr_jax.runtime.scheduler import Event, Scheduler, SchedulerOutput
+from xlr_jax.runtime.scheduler import Event, Scheduler, SchedulerOutput, StepPlan
 from xlr_jax.speculative.config import Draft, SpecConfig
 from xlr_jax.speculative.population import start_metrics
 from xlr_jax.speculative.runner import SpecRunner, check_request
@@ -182,18 +183,18 @@ class Engine:
             if inflight:
                 yield from self._update(inflight)
                 inflight = None
-            yield from s.prepare()
-            plan = s.plan()
-            verify, left = [], []
-            if plan.rows:  # speculation verifies as rows of this step where it pays
-                verify, left = self.spec.proposals(
-                    plan.rows, self.buckets.batch[-1] - len(plan.plain),
-                    self.kv.owed_to(plan.running))
-            if plan.steps:
-                inflight = self.runner.execute(s.step(plan.plain, plan.chunk, verify))
-            cycles = plan.cycles(left)
-            if cycles:  # after the plain step (what it reserved counted): cycles read its KV
-                yield from self.spec.run(cycles, self.kv.owed_to(plan.running))
+            out = s.schedule(self._verify_rows)
+            yield from out.events
+            if out.runs:
+                inflight = self.runner.execute(out)
+            if out.cycles:  # after the step (what it reserved counted): cycles read its KV
+                yield from self.spec.run(out.cycles, out.promised)
+
+    def _verify_rows(self, plan: StepPlan) -> tuple[list, list]:
+        """The drafts of the speculating requests `plan` verifies as rows of its step, in
+        the rows the plain ones leave (see `SpecRunner.proposals`)."""
+        return self.spec.proposals(plan.rows, self.buckets.batch[-1] - len(plan.plain),
+                                   self.kv.owed_to(plan.running))
 
     def _update(self, step: InFlight) -> list:
         """Read a step back and let the scheduler take its tokens (and speculation its

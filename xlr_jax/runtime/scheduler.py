@@ -1,10 +1,12 @@
 """The scheduler: which requests run, which wait, and what each step carries. Host policy
 only; it imports no jax and owns no device state.
 
-A step (`SchedulerOutput`) carries one token of each running plain request (a decode
-row), at most one prefill chunk (of the oldest request still prefilling), and the rows of
-speculating requests verifying their drafts (`xlr_jax.speculative.proposals` makes them).
-Between steps the scheduler accepts forced tokens, admits waiting requests in order while
+`schedule()` decides the next step (`SchedulerOutput`): one token of each running plain
+request (a decode row), at most one prefill chunk (of the oldest request still
+prefilling), the rows of speculating requests verifying their drafts
+(`xlr_jax.speculative.proposals` makes them), and the speculating requests that run a
+cycle of their own after it instead (`plan`, by the plan's rule).
+Before that, the scheduler accepts forced tokens, admits waiting requests in order while
 their pages fit (`KVManager.admit`), finds every running request its next page, preempting
 the most recently admitted plain request when the pool runs short, and asks the requests'
 logits processors for their masks. After a step, `update` takes what the model runner read
@@ -21,7 +23,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -57,11 +59,23 @@ class SchedulerOutput:
     chunk_bias: np.ndarray | None = None
     # the decode rows' biases come after the dispatch (the engine's run-ahead)
     late_bias: bool = False
+    # from `schedule`: what ended before the step (forced tokens reaching a stop, a logits
+    # processor failing, a request nothing could make room for), the speculating requests
+    # that run a cycle of their own after it, and the pages the running requests may
+    # still take (SMC populations leave them alone)
+    events: list = field(default_factory=list)
+    cycles: list[Request] = field(default_factory=list)
+    promised: int = 0
 
     @property
     def rows(self) -> int:
         """Rows before the chunk's."""
         return len(self.tokens)
+
+    @property
+    def runs(self) -> bool:
+        """Whether a ragged step runs (else only cycles, or nothing)."""
+        return bool(self.tokens) or self.chunk is not None
 
     def wants_logprobs(self) -> bool:
         asked = self.decode + ([self.chunk] if self.chunk is not None else [])
@@ -211,6 +225,25 @@ class Scheduler:
         self.running += self._admit()
         events += self._make_room()
         return events + self.process_logits(self.running)
+
+    def schedule(self, verify_rows: Callable[[StepPlan], tuple[list, list]] | None = None
+                 ) -> SchedulerOutput:
+        """The next step, decided (after the last one's `update`): `prepare`, then `plan`,
+        then the step's rows (`step`). `verify_rows(plan)` proposes the drafts of the
+        speculating requests the plan verifies as rows (`SpecRunner.proposals`): it
+        returns their proposals and the requests it left to cycles; without it they all
+        run cycles. The output's `events`, `cycles` and `promised` say what ended
+        before the step, who runs a cycle after it, and what the running requests are
+        owed; `runs` whether a ragged step runs at all."""
+        events = self.prepare()
+        plan = self.plan()
+        verify, left = [], list(plan.rows)
+        if plan.rows and verify_rows is not None:
+            verify, left = verify_rows(plan)
+        out = self.step(plan.plain, plan.chunk, verify) if plan.steps else SchedulerOutput([])
+        out.events, out.cycles = events, plan.cycles(left)
+        out.promised = self.kv.owed_to(plan.running)  # after the step's reservations
+        return out
 
     def plan(self) -> StepPlan:
         """After `prepare`: what runs next. A speculating request verifies as rows of the
