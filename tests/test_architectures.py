@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as tok_models
 from tokenizers import pre_tokenizers
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 import xlr_jax
 from xlr_jax.kv.paged_kv import PagedKV
@@ -35,6 +35,7 @@ from xlr_jax.planning.buckets import REDUCE_ROWS, Buckets
 from xlr_jax.planning.hardware import probe
 from xlr_jax.planning.mapper import Workload, plan
 from xlr_jax.runtime.engine import Engine
+from xlr_jax.speculative.config import SpecConfig, resolve_draft
 
 # Relative error max|xlr - hf| / max|hf|. Both sides run in float32 and differ only in summation
 # order (observed ~2e-6); a wrong feature gives errors of order 1 (see each case's ablation).
@@ -59,6 +60,11 @@ def _no_rope_scaling(config, params):
 def _no_bias(config, params):
     layers = {k: v for k, v in params["layers"].items() if k != "bqkv"}
     return dataclasses.replace(config, qkv_bias=False), {**params, "layers": layers}
+
+
+def _no_qk_norm(config, params):
+    layers = {k: v for k, v in params["layers"].items() if k not in ("q_norm", "k_norm")}
+    return dataclasses.replace(config, qk_norm=False), {**params, "layers": layers}
 
 
 def _window(size):
@@ -94,6 +100,13 @@ CASES = {
         100,  # prompt longer than the window
         dict(architecture="mistral", sliding_window=32),
         _window(None)),
+    "qwen3_qk_norm": (
+        Qwen3ForCausalLM,  # a head_dim of its own: 4 heads of 24 over a hidden size of 64
+        Qwen3Config(num_hidden_layers=2, tie_word_embeddings=True, **{**TINY, "head_dim": 24}),
+        90,
+        dict(architecture="qwen3", qk_norm=True, qkv_bias=False, head_dim=24,
+             sliding_window=None),
+        _no_qk_norm),
     "mistral_no_window": (
         MistralForCausalLM,
         MistralConfig(num_hidden_layers=2, sliding_window=None, **TINY),
@@ -128,20 +141,27 @@ def xlr_logits(config, arrays, ids) -> np.ndarray:
     return engine.logits([int(t) for t in ids])
 
 
+def random_model(cls, config, seed: int):
+    """A transformers model with seeded random weights, its norms and biases too (init
+    leaves norms at 1 and biases at 0: they must matter)."""
+    torch.manual_seed(seed)
+    model = cls(config).float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif pname.endswith("bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    return model
+
+
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     """name -> (transformers model, directory it was saved to); all weights random, seeded."""
     root = tmp_path_factory.mktemp("hf_models")
     out = {}
     for seed, (name, (cls, config, *_)) in enumerate(CASES.items()):
-        torch.manual_seed(seed)
-        model = cls(config).float().eval()
-        with torch.no_grad():  # init leaves norms at 1 and biases at 0: make them matter too
-            for pname, p in model.named_parameters():
-                if "norm" in pname:
-                    p.copy_(1 + 0.2 * torch.randn_like(p))
-                elif pname.endswith("bias"):
-                    p.copy_(0.5 * torch.randn_like(p))
+        model = random_model(cls, config, seed)
         model.save_pretrained(root / name, safe_serialization=True)
         out[name] = (model, root / name)
     return out
@@ -166,6 +186,60 @@ def test_logits_match_transformers(zoo, name):
 
     if ablate is not None:  # the feature is exercised: without it the logits are far off
         assert rel_err(xlr_logits(*ablate(loaded.config, loaded.params), ids), ref) > BROKEN
+
+
+@pytest.mark.parametrize("name", ["qwen3_qk_norm"])
+def test_greedy_tokens_match_transformers(zoo, name):
+    """32 greedy tokens through the engine's loop (the prompt prefilled in chunks, then
+    decode steps), plain and by exact self-speculation (its first layer drafting), are
+    transformers' greedy tokens (its full forward at each length)."""
+    hf, path = zoo[name]
+    loaded = load_weights(path, cache_dir=None)
+    prompt = [int(t) for t in random_ids(7, 40)]
+    ids = list(prompt)
+    for _ in range(32):
+        ids.append(int(hf_logits(hf, ids)[-1].argmax()))
+    config = loaded.config
+    p = plan(probe(), config, Workload(max_batch=1, prefill_chunk=16,
+                                       max_context=config.max_context),
+             page_size=PAGE, num_pages=40, attn_impl="xla", linear_impl="xla")
+    engine = Engine(config, params_from_arrays(loaded.params), None, p)
+    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
+    for spec in (None, SpecConfig(method="exact", draft="self:1", gamma=3)):
+        events = list(engine.run([prompt], [greedy], spec=spec,
+                                 draft=spec and resolve_draft(spec.draft, config)))
+        result = events[-1][2]
+        assert result.token_ids == ids[len(prompt):], spec
+        if spec is not None:  # drafts were proposed and verified (not a plain decode)
+            assert result.metrics["draft_tokens"] > 0 and result.metrics["target_passes"] < 31
+
+
+def test_a_gguf_of_the_same_weights_loads_the_same(tmp_path):
+    """Qwen3 through a GGUF written from its HF checkpoint (llama.cpp's tensor names and
+    keys): the same config and params as from safetensors, and transformers' logits."""
+    from tiny_gguf import TOKENS, write_hf_as_gguf
+
+    config = Qwen3Config(num_hidden_layers=2, tie_word_embeddings=False,
+                         **{**TINY, "head_dim": 24, "vocab_size": len(TOKENS)})
+    hf = random_model(Qwen3ForCausalLM, config, seed=11)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="numpy") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    gguf_file = write_hf_as_gguf(tmp_path / "qwen3.gguf", "qwen3", raw, tensors)
+    from_gguf = load_weights(gguf_file, cache_dir=None)
+    from_hf = load_weights(tmp_path / "hf", cache_dir=None)
+    eps = from_gguf.config.rms_norm_eps  # a GGUF keeps it in float32
+    assert eps == pytest.approx(from_hf.config.rms_norm_eps, rel=1e-6)
+    assert dataclasses.replace(from_gguf.config, rms_norm_eps=from_hf.config.rms_norm_eps) \
+        == from_hf.config and from_hf.config.qk_norm
+    leaves = [jax.tree_util.tree_leaves_with_path(x.params) for x in (from_gguf, from_hf)]
+    assert [p for p, _ in leaves[0]] == [p for p, _ in leaves[1]]
+    for (p, x), (_, y) in zip(*leaves):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(p))
+    ids = random_ids(3, 60)
+    assert rel_err(xlr_logits(from_gguf.config, from_gguf.params, ids),
+                   hf_logits(hf, ids)) < TOL
 
 
 def test_tied_checkpoint_has_no_lm_head(zoo):

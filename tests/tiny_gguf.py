@@ -1,5 +1,6 @@
 """A tiny but complete llama GGUF (random f32 weights, a byte-level BPE tokenizer and a
-ChatML template): the whole load path in a second instead of the embedded model's ~10 s."""
+ChatML template): the whole load path in a second instead of the embedded model's ~10 s.
+And a GGUF of a tiny HF checkpoint's own weights, for the families' GGUF layouts."""
 from pathlib import Path
 
 import gguf
@@ -12,34 +13,54 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_tiny_gguf(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64,
-                    heads: int = 4, kv_heads: int = 2, ffn: int = 128,
-                    context: int = 2048) -> Path:
-    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens += ["".join(m.split(" ")) for m in MERGES] + SPECIALS
-    types = [1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS)
-    writer = gguf.GGUFWriter(str(path), "llama")
+TOKENS = (sorted(pre_tokenizers.ByteLevel.alphabet())
+          + ["".join(m.split(" ")) for m in MERGES] + SPECIALS)
+
+
+def _header(writer, *, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int,
+            context: int, head_dim: int | None = None, eps: float = 1e-5,
+            theta: float = 10000.0) -> None:
+    """The model's shape and the tiny byte-level BPE tokenizer (`TOKENS`)."""
     writer.add_block_count(layers)
     writer.add_context_length(context)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
+    if head_dim is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(eps)
+    writer.add_rope_freq_base(theta)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
+    writer.add_token_list(TOKENS)
     writer.add_token_merges(MERGES)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_token_types([1] * (len(TOKENS) - len(SPECIALS)) + [3] * len(SPECIALS))
+    writer.add_bos_token_id(TOKENS.index("<|endoftext|>"))
+    writer.add_eos_token_id(TOKENS.index("<|im_end|>"))
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML)
+
+
+def _finish(writer, path: Path) -> Path:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_tiny_gguf(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64,
+                    heads: int = 4, kv_heads: int = 2, ffn: int = 128,
+                    context: int = 2048) -> Path:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _header(writer, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
+            context=context)
     rng = np.random.default_rng(seed)
     w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
     head_dim = hidden // heads
-    writer.add_tensor("token_embd.weight", w(len(tokens), hidden))
+    writer.add_tensor("token_embd.weight", w(len(TOKENS), hidden))
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in range(layers):
         b = f"blk.{i}."
@@ -52,8 +73,37 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, layers: int = 2, hidden: int =
         writer.add_tensor(b + "ffn_gate.weight", w(ffn, hidden))
         writer.add_tensor(b + "ffn_up.weight", w(ffn, hidden))
         writer.add_tensor(b + "ffn_down.weight", w(hidden, ffn))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, path)
+
+
+# HF tensor names (after model.layers.{i}.) -> GGUF names (after blk.{i}.), as llama.cpp's
+# converter writes a Qwen model (no Q/K row permutation)
+HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_hf_as_gguf(path: Path, arch: str, config: dict, tensors: dict) -> Path:
+    """A GGUF of an HF checkpoint (`config.json` as a dict, `tensors` by HF name, f32) of
+    a family llama.cpp writes without permuting Q/K rows (Qwen), with the tiny tokenizer:
+    the model's vocabulary must be len(TOKENS)."""
+    assert config["vocab_size"] == len(TOKENS)
+    writer = gguf.GGUFWriter(str(path), arch)
+    _header(writer, layers=config["num_hidden_layers"], hidden=config["hidden_size"],
+            heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
+            ffn=config["intermediate_size"], context=config["max_position_embeddings"],
+            head_dim=config["head_dim"], eps=config["rms_norm_eps"],
+            theta=config["rope_parameters"]["rope_theta"])
+    top = {"model.embed_tokens.weight": "token_embd.weight",
+           "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    for name, array in tensors.items():
+        if name in top:
+            if name != "lm_head.weight" or not config["tie_word_embeddings"]:
+                writer.add_tensor(top[name], array)
+            continue
+        _, _, i, rest = name.split(".", 3)
+        part, kind = rest.rsplit(".", 1)
+        writer.add_tensor(f"blk.{i}.{HF_TO_GGUF[part]}.{kind}", array)
+    return _finish(writer, path)

@@ -27,11 +27,11 @@ from xlr_jax.errors import ModelLoadError, UnsupportedModelError
 from xlr_jax.loading.disk_cache import atomic_entry, file_digest, load_arrays, save_arrays
 from xlr_jax.loading.tokenizer import Tokenizer
 from xlr_jax.model.config import ModelConfig, RopeScaling
+from xlr_jax.model.family import family
 
 log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 3  # 3: flat memory-mapped params files (2: orbax)
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
 @dataclass
@@ -62,11 +62,12 @@ def _stack_layers(per_layer: list[dict]) -> dict:
     return {name: np.stack([layer[name] for layer in per_layer]) for name in per_layer[0]}
 
 
-def _layer_dict(q, k, v, o, attn_norm, mlp_norm, gate, up, down, biases, dtype):
+def _layer_dict(q, k, v, o, attn_norm, mlp_norm, gate, up, down, biases, extra, dtype):
+    """One layer's leaves (`LayerParams`); `extra`: its family's own, by leaf."""
     out = {
         "attn_norm": attn_norm, "mlp_norm": mlp_norm,
         "wqkv": np.concatenate([q, k, v], axis=0), "wo": o,
-        "w_gate_up": np.concatenate([gate, up], axis=0), "w_down": down,
+        "w_gate_up": np.concatenate([gate, up], axis=0), "w_down": down, **extra,
     }
     if biases is not None:
         out["bqkv"] = np.concatenate(biases)
@@ -84,10 +85,7 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def gguf_config(reader) -> ModelConfig:
     arch = reader.fields.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    fam = family(arch, "GGUF architecture")
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise UnsupportedModelError(
             "this GGUF stores llama3 rope scaling as rope_freqs; load the Hugging Face "
@@ -113,7 +111,7 @@ def gguf_config(reader) -> ModelConfig:
         rope_theta=float(f("rope.freq_base", 10000.0)),
         max_context=int(f("context_length")),
         tie_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm=fam.qk_norm,
         sliding_window=None, rope_scaling=scaling)
 
 
@@ -145,7 +143,10 @@ def _load_gguf(source: ModelSource, dtype) -> dict:
     bar = tqdm(total=len(by_name), desc=f"Loading {path.name}", unit="tensor",
                disable=None, leave=False)
 
+    used = set()
+
     def get(name):
+        used.add(name)
         t = by_name.get(name)
         if t is None:
             raise ModelLoadError(f"GGUF file {path} lacks tensor {name!r}; the file is "
@@ -154,12 +155,12 @@ def _load_gguf(source: ModelSource, dtype) -> dict:
         bar.update()
         return data.reshape([int(n) for n in reversed(t.shape)])
 
-    permute = config.architecture == "llama"
+    fam = family(config.architecture)
     layers = []
     for i in range(config.num_layers):
         b = f"blk.{i}."
         q, k = get(b + "attn_q.weight"), get(b + "attn_k.weight")
-        if permute:
+        if fam.gguf_permuted_qk:
             q = _unpermute_rows(q, config.num_heads)
             k = _unpermute_rows(k, config.num_kv_heads)
         biases = None
@@ -169,13 +170,15 @@ def _load_gguf(source: ModelSource, dtype) -> dict:
             q, k, get(b + "attn_v.weight"), get(b + "attn_output.weight"),
             get(b + "attn_norm.weight"), get(b + "ffn_norm.weight"),
             get(b + "ffn_gate.weight"), get(b + "ffn_up.weight"),
-            get(b + "ffn_down.weight"), biases, dtype))
+            get(b + "ffn_down.weight"), biases,
+            {t.leaf: get(b + t.gguf) for t in fam.layer_tensors}, dtype))
     params = {"embed": get("token_embd.weight").astype(dtype),
               "layers": _stack_layers(layers),
               "final_norm": get("output_norm.weight").astype(dtype)}
     if not config.tie_embeddings:
         params["lm_head"] = get("output.weight").astype(dtype)
     bar.close()
+    _check_all_used(by_name, used, path)
     return params
 
 
@@ -183,10 +186,7 @@ def _load_gguf(source: ModelSource, dtype) -> dict:
 
 def hf_config(raw: dict) -> ModelConfig:
     arch = raw.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"model_type {arch!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    fam = family(arch, "model_type")
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "linear", "llama3"):
@@ -203,7 +203,7 @@ def hf_config(raw: dict) -> ModelConfig:
     theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
     types = raw.get("layer_types")
-    if types is None and arch == "qwen2":  # Qwen2 windows only layers >= max_window_layers
+    if types is None and fam.window_from_layer:
         types = ["sliding_attention" if window and i >= raw.get("max_window_layers", 0)
                  else "full_attention" for i in range(raw["num_hidden_layers"])]
     if types is not None:
@@ -219,7 +219,7 @@ def hf_config(raw: dict) -> ModelConfig:
         intermediate_size=raw["intermediate_size"], rms_norm_eps=raw["rms_norm_eps"],
         rope_theta=float(theta), max_context=raw.get("max_position_embeddings", 4096),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        qkv_bias=fam.qkv_bias or bool(raw.get("attention_bias", False)), qk_norm=fam.qk_norm,
         sliding_window=window, rope_scaling=scaling)
 
 
@@ -258,12 +258,16 @@ def _load_hf(source: ModelSource, dtype) -> dict:
             raise ModelLoadError(f"cannot read {file}: {e}; the file is corrupt or "
                                  "truncated") from e
 
+    used = set()
+
     def get(name):
+        used.add(name)
         try:
             return np.asarray(tensors[name], dtype=np.float32)
         except KeyError:
             raise ModelLoadError(f"{path} lacks tensor {name!r}") from None
 
+    fam = family(config.architecture)
     layers = []
     for i in range(config.num_layers):
         b = f"model.layers.{i}."
@@ -275,13 +279,25 @@ def _load_hf(source: ModelSource, dtype) -> dict:
             get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight"),
             get(a + "o_proj.weight"), get(b + "input_layernorm.weight"),
             get(b + "post_attention_layernorm.weight"), get(b + "mlp.gate_proj.weight"),
-            get(b + "mlp.up_proj.weight"), get(b + "mlp.down_proj.weight"), biases, dtype))
+            get(b + "mlp.up_proj.weight"), get(b + "mlp.down_proj.weight"), biases,
+            {t.leaf: get(b + t.hf) for t in fam.layer_tensors}, dtype))
     params = {"embed": get("model.embed_tokens.weight").astype(dtype),
               "layers": _stack_layers(layers),
               "final_norm": get("model.norm.weight").astype(dtype)}
     if not config.tie_embeddings:
         params["lm_head"] = get("lm_head.weight").astype(dtype)
+    _check_all_used(tensors, used, path)
     return params
+
+
+def _check_all_used(tensors, used: set, path: Path) -> None:
+    """Refuse a checkpoint with tensors its family does not read: they would change what
+    the model computes (a norm, an expert, a bias), so running without them is wrong."""
+    left = sorted(set(tensors) - used)
+    if left:
+        more = f" and {len(left) - 1} more" if len(left) > 1 else ""
+        raise UnsupportedModelError(f"{path} has tensor {left[0]!r}{more} that its family "
+                                    "does not use; this model is not supported as it is")
 
 
 # ---------------------------------------------------------------- entry point

@@ -19,7 +19,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral" or "qwen2" (others only for the roofline)
+    architecture: str  # a family's name (`model.family`; others only for the roofline)
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -32,6 +32,7 @@ class ModelConfig:
     max_context: int
     tie_embeddings: bool
     qkv_bias: bool = False
+    qk_norm: bool = False  # each head's Q and K RMS-normed before RoPE (Qwen3)
     sliding_window: int | None = None
     rope_scaling: RopeScaling = RopeScaling()
     # MoE (0 experts = dense); the first `dense_layers` layers stay dense
@@ -62,7 +63,8 @@ class ModelConfig:
         if self.kv_latent_dim:
             q_in = d * self.q_latent_dim + self.q_latent_dim * q if self.q_latent_dim else d * q
             return q_in + d * self.kv_latent_dim + self.kv_latent_dim * 2 * q + q * d
-        return d * (q + 2 * self.kv_size) + q * d + ((q + 2 * self.kv_size) if self.qkv_bias else 0)
+        return (d * (q + 2 * self.kv_size) + q * d + ((q + 2 * self.kv_size) if self.qkv_bias else 0)
+                + (2 * self.head_dim if self.qk_norm else 0))
 
     def expert_params(self) -> int:
         return 3 * self.hidden_size * self.moe_intermediate_size

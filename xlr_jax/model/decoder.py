@@ -35,6 +35,8 @@ class LayerParams:
     mlp_norm: jax.Array    # [d]
     w_gate_up: jax.Array   # [2 * ffn, d]
     w_down: jax.Array      # [d, ffn]
+    q_norm: jax.Array | None = None  # [head_dim] (Qwen3) or None
+    k_norm: jax.Array | None = None
 
 
 @pytree_dataclass
@@ -72,10 +74,8 @@ def params_from_arrays(arrays: dict, dtype=jnp.float32) -> Params:
     dtype = np.dtype(dtype)
     put = lambda a: jax.device_put(np.asarray(a, dtype))  # noqa: E731
     stacked = arrays["layers"]
-    layers = tuple(
-        LayerParams(bqkv=put(stacked["bqkv"][i]) if "bqkv" in stacked else None,
-                    **{k: put(v[i]) for k, v in stacked.items() if k != "bqkv"})
-        for i in range(len(stacked["attn_norm"])))
+    layers = tuple(LayerParams(**{"bqkv": None, **{k: put(v[i]) for k, v in stacked.items()}})
+                   for i in range(len(stacked["attn_norm"])))
     head = arrays.get("lm_head")
     return Params(embed=put(arrays["embed"]), layers=layers,
                   final_norm=put(arrays["final_norm"]),
@@ -166,8 +166,10 @@ def decoder(params: Params, kv: PagedKV, tokens, positions, page_ids, offsets, a
         if lp.bqkv is not None:
             qkv = qkv + lp.bqkv
         q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
-        q = apply_rope(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        q, k = q.reshape(-1, c.num_heads, c.head_dim), k.reshape(-1, c.num_kv_heads, c.head_dim)
+        if lp.q_norm is not None:  # per head, before RoPE (Qwen3)
+            q, k = rms_norm(q, lp.q_norm, c.rms_norm_eps), rms_norm(k, lp.k_norm, c.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
         k_all, k_scale = write_layer(k_all, k_scale, i, page_ids, offsets, k)
         v_all, v_scale = write_layer(v_all, v_scale, i, page_ids, offsets, v)
