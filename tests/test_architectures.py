@@ -21,9 +21,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as tok_models
 from tokenizers import pre_tokenizers
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 import xlr_jax
+from xlr_jax.errors import UnsupportedModelError
 from xlr_jax.kv.paged_kv import PagedKV
 from xlr_jax.kv.pages import SCRATCH_PAGE
 from xlr_jax.loading.weights import hf_config, load_weights
@@ -67,6 +70,15 @@ def _no_qk_norm(config, params):
     return dataclasses.replace(config, qk_norm=False), {**params, "layers": layers}
 
 
+def _renorm(on: bool):
+    return lambda config, params: (dataclasses.replace(config, norm_topk_prob=on), params)
+
+
+def _no_shared_gate(config, params):
+    layers = {k: v for k, v in params["layers"].items() if k != "w_shared_gate"}
+    return dataclasses.replace(config, shared_expert_gate=False), {**params, "layers": layers}
+
+
 def _window(size):
     return lambda config, params: (dataclasses.replace(config, sliding_window=size), params)
 
@@ -107,6 +119,33 @@ CASES = {
         dict(architecture="qwen3", qk_norm=True, qkv_bias=False, head_dim=24,
              sliding_window=None),
         _no_qk_norm),
+    # 8 experts, 2 per token: over the prompt every expert is used; a decode step's token
+    # leaves 6 without one
+    "mixtral_moe": (
+        MixtralForCausalLM,
+        MixtralConfig(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
+                      **{**TINY, "intermediate_size": 32}),
+        90,
+        dict(architecture="mixtral", num_experts=8, experts_per_token=2,
+             moe_intermediate_size=32, norm_topk_prob=True, shared_experts=0),
+        _renorm(False)),
+    "qwen2_moe_shared": (
+        Qwen2MoeForCausalLM,
+        Qwen2MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=48, **TINY),
+        90,
+        dict(architecture="qwen2_moe", qkv_bias=True, num_experts=8, norm_topk_prob=False,
+             shared_intermediate_size=48, shared_expert_gate=True),
+        _no_shared_gate),
+    "qwen3_moe": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, norm_topk_prob=True,
+                       **{**TINY, "head_dim": 24}),
+        90,
+        dict(architecture="qwen3_moe", qk_norm=True, num_experts=8, norm_topk_prob=True,
+             shared_experts=0),
+        _renorm(False)),
     "mistral_no_window": (
         MistralForCausalLM,
         MistralConfig(num_hidden_layers=2, sliding_window=None, **TINY),
@@ -188,7 +227,7 @@ def test_logits_match_transformers(zoo, name):
         assert rel_err(xlr_logits(*ablate(loaded.config, loaded.params), ids), ref) > BROKEN
 
 
-@pytest.mark.parametrize("name", ["qwen3_qk_norm"])
+@pytest.mark.parametrize("name", ["qwen3_qk_norm", "mixtral_moe", "qwen3_moe"])
 def test_greedy_tokens_match_transformers(zoo, name):
     """32 greedy tokens through the engine's loop (the prompt prefilled in chunks, then
     decode steps), plain and by exact self-speculation (its first layer drafting), are
@@ -214,25 +253,38 @@ def test_greedy_tokens_match_transformers(zoo, name):
             assert result.metrics["draft_tokens"] > 0 and result.metrics["target_passes"] < 31
 
 
-def test_a_gguf_of_the_same_weights_loads_the_same(tmp_path):
-    """Qwen3 through a GGUF written from its HF checkpoint (llama.cpp's tensor names and
-    keys): the same config and params as from safetensors, and transformers' logits."""
+GGUF_CASES = {  # a GGUF's general.architecture: (its transformers model, config)
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=24)),
+    "qwen3moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig,
+                 dict(head_dim=24, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True)),
+    "qwen2moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig,
+                 dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48)),
+}
+
+
+@pytest.mark.parametrize("arch", GGUF_CASES)
+def test_a_gguf_of_the_same_weights_loads_the_same(tmp_path, arch):
+    """A GGUF written from an HF checkpoint (llama.cpp's tensor names and keys, experts
+    stacked): the same config and params as from safetensors, and transformers' logits."""
     from tiny_gguf import TOKENS, write_hf_as_gguf
 
-    config = Qwen3Config(num_hidden_layers=2, tie_word_embeddings=False,
-                         **{**TINY, "head_dim": 24, "vocab_size": len(TOKENS)})
-    hf = random_model(Qwen3ForCausalLM, config, seed=11)
+    cls, config_cls, options = GGUF_CASES[arch]
+    config = config_cls(num_hidden_layers=2, tie_word_embeddings=False,
+                        **{**TINY, **options, "vocab_size": len(TOKENS)})
+    hf = random_model(cls, config, seed=11)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="numpy") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
     raw = json.loads((tmp_path / "hf" / "config.json").read_text())
-    gguf_file = write_hf_as_gguf(tmp_path / "qwen3.gguf", "qwen3", raw, tensors)
+    gguf_file = write_hf_as_gguf(tmp_path / f"{arch}.gguf", arch, raw, tensors)
     from_gguf = load_weights(gguf_file, cache_dir=None)
     from_hf = load_weights(tmp_path / "hf", cache_dir=None)
     eps = from_gguf.config.rms_norm_eps  # a GGUF keeps it in float32
     assert eps == pytest.approx(from_hf.config.rms_norm_eps, rel=1e-6)
     assert dataclasses.replace(from_gguf.config, rms_norm_eps=from_hf.config.rms_norm_eps) \
-        == from_hf.config and from_hf.config.qk_norm
+        == from_hf.config
     leaves = [jax.tree_util.tree_leaves_with_path(x.params) for x in (from_gguf, from_hf)]
     assert [p for p, _ in leaves[0]] == [p for p, _ in leaves[1]]
     for (p, x), (_, y) in zip(*leaves):
@@ -240,6 +292,57 @@ def test_a_gguf_of_the_same_weights_loads_the_same(tmp_path):
     ids = random_ids(3, 60)
     assert rel_err(xlr_logits(from_gguf.config, from_gguf.params, ids),
                    hf_logits(hf, ids)) < TOL
+
+
+def test_fused_experts_load_as_per_expert_ones(zoo, tmp_path):
+    """The fused expert layout transformers v5 writes (experts.gate_up_proj [E, 2I, d],
+    experts.down_proj [E, d, I]) loads the same params as one tensor per expert."""
+    from safetensors.numpy import save_file
+
+    _, path = zoo["qwen3_moe"]
+    with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    fused = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for i in range(2):
+        e = f"model.layers.{i}.mlp.experts."
+        stack = lambda n: np.stack([tensors[f"{e}{j}.{n}.weight"] for j in range(8)])  # noqa: E731
+        fused[e + "gate_up_proj"] = np.concatenate([stack("gate_proj"), stack("up_proj")], 1)
+        fused[e + "down_proj"] = stack("down_proj")
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    a, b = load_weights(path, cache_dir=None), load_weights(tmp_path, cache_dir=None)
+    assert jax.tree_util.tree_structure(a.params) == jax.tree_util.tree_structure(b.params)
+    for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda raw: raw.update(model_type="gemma4"), "model_type 'gemma4' is not supported"),
+    (lambda raw: raw.update(mlp_only_layers=[0]), "mlp_only_layers"),
+    (lambda raw: raw.update(decoder_sparse_step=2), "decoder_sparse_step"),
+])
+def test_a_config_the_loader_does_not_understand_is_refused_by_name(change, error):
+    raw = Qwen3MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=32, **TINY).to_dict()
+    change(raw)
+    with pytest.raises(UnsupportedModelError, match=error):
+        hf_config(raw)
+
+
+def test_a_tensor_no_family_reads_is_refused_by_name(zoo, tmp_path):
+    """A checkpoint with a tensor its family does not read (here a norm Llama has not) is
+    refused, not run without it."""
+    from safetensors.numpy import save_file
+
+    _, path = zoo["llama_tied"]
+    with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    tensors["model.layers.1.post_feedforward_layernorm.weight"] = np.ones(64, np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    with pytest.raises(UnsupportedModelError,
+                       match="model.layers.1.post_feedforward_layernorm.weight"):
+        load_weights(tmp_path, cache_dir=None)
 
 
 def test_tied_checkpoint_has_no_lm_head(zoo):
@@ -286,10 +389,11 @@ def test_sharded_checkpoint_loads_identically(zoo, tmp_path):
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(p))
 
 
-def test_load_model_public_api(zoo, tmp_path):
+@pytest.mark.parametrize("name", ["llama3_rope_untied", "qwen2_moe_shared"])
+def test_load_model_public_api(zoo, tmp_path, name):
     """load_model + Model.logits / Model.generate on token ids (a word-level tokenizer is added:
-    load_model requires a tokenizer.json)."""
-    hf, path = zoo["llama3_rope_untied"]
+    load_model requires a tokenizer.json); the same prompt again reuses its cached prefix."""
+    hf, path = zoo[name]
     shutil.copytree(path, tmp_path, dirs_exist_ok=True)
     tok = HFTokenizer(tok_models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -306,6 +410,11 @@ def test_load_model_public_api(zoo, tmp_path):
         seq.append(int(hf_logits(hf, seq)[-1].argmax()))
     result = model.generate(ids, max_tokens=8, ignore_eos=True)
     assert result.token_ids == seq[len(ids):]
+    again = model.generate(ids, max_tokens=8, ignore_eos=True)
+    assert again.token_ids == result.token_ids and again.metrics["cached_tokens"] >= 112
+    config = model.config
+    experts = model.info().get("experts")
+    assert experts == ({"total": 8, "active": 2, "shared": 1} if config.num_experts else None)
 
 
 # ---------------------------------------------------------------- paged-KV properties (via Steps)

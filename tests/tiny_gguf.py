@@ -77,18 +77,24 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, layers: int = 2, hidden: int =
 
 
 # HF tensor names (after model.layers.{i}.) -> GGUF names (after blk.{i}.), as llama.cpp's
-# converter writes a Qwen model (no Q/K row permutation)
+# converter writes a Qwen model (no Q/K row permutation); experts are stacked
 HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+              "mlp.shared_expert.up_proj": "ffn_up_shexp",
+              "mlp.shared_expert.down_proj": "ffn_down_shexp",
+              "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+EXPERT_TO_GGUF = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                  "down_proj": "ffn_down_exps"}
 
 
 def write_hf_as_gguf(path: Path, arch: str, config: dict, tensors: dict) -> Path:
     """A GGUF of an HF checkpoint (`config.json` as a dict, `tensors` by HF name, f32) of
-    a family llama.cpp writes without permuting Q/K rows (Qwen), with the tiny tokenizer:
-    the model's vocabulary must be len(TOKENS)."""
+    a family llama.cpp writes without permuting Q/K rows (Qwen, dense or MoE), with the
+    tiny tokenizer: the model's vocabulary must be len(TOKENS)."""
     assert config["vocab_size"] == len(TOKENS)
     writer = gguf.GGUFWriter(str(path), arch)
     _header(writer, layers=config["num_hidden_layers"], hidden=config["hidden_size"],
@@ -96,8 +102,18 @@ def write_hf_as_gguf(path: Path, arch: str, config: dict, tensors: dict) -> Path
             ffn=config["intermediate_size"], context=config["max_position_embeddings"],
             head_dim=config["head_dim"], eps=config["rms_norm_eps"],
             theta=config["rope_parameters"]["rope_theta"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(
+                config["shared_expert_intermediate_size"])
     top = {"model.embed_tokens.weight": "token_embd.weight",
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    experts: dict[str, dict[int, np.ndarray]] = {}
     for name, array in tensors.items():
         if name in top:
             if name != "lm_head.weight" or not config["tie_word_embeddings"]:
@@ -105,5 +121,13 @@ def write_hf_as_gguf(path: Path, arch: str, config: dict, tensors: dict) -> Path
             continue
         _, _, i, rest = name.split(".", 3)
         part, kind = rest.rsplit(".", 1)
+        if part.startswith("mlp.experts."):  # mlp.experts.{e}.{gate_proj|up_proj|down_proj}
+            _, _, e, proj = part.split(".")
+            experts.setdefault(f"blk.{i}.{EXPERT_TO_GGUF[proj]}.{kind}", {})[int(e)] = array
+            continue
+        if part == "mlp.shared_expert_gate":  # llama.cpp keeps it as a vector
+            array = array.reshape(-1)
         writer.add_tensor(f"blk.{i}.{HF_TO_GGUF[part]}.{kind}", array)
+    for name, by_expert in experts.items():
+        writer.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))
     return _finish(writer, path)

@@ -386,6 +386,8 @@ class Model:
             "ffn_size": c.intermediate_size, "vocab_size": c.vocab_size,
             "max_context": e.max_context, "tied_embeddings": c.tie_embeddings,
             "parameters": c.num_params(), "param_bytes": e.runner.params.nbytes(),
+            **({"experts": {"total": c.num_experts, "active": c.experts_per_token,
+                            "shared": c.shared_experts}} if c.num_experts else {}),
             # the Execution Plan, plus the KV actually allocated
             "plan": {**self.plan.to_dict(), "dtype": self.dtype,
                      "kv_bytes": e.runner.kv.nbytes()},

@@ -49,8 +49,12 @@ class XlrRunner:
                                         "(n - 1) / (last token - first token)"}
         self.vocab_size = engine.config.vocab_size
         params, c = engine.runner.params, engine.config
-        # An untied embedding is only gathered (one row per token); the LM head is read whole.
-        self.weight_bytes_per_token = params.nbytes() - (
+        # An untied embedding is only gathered (one row per token); the LM head is read whole;
+        # a MoE layer's token reads its chosen experts only
+        unread = sum((lp.w_experts_gate_up.nbytes + lp.w_experts_down.nbytes)
+                     * (1 - c.experts_per_token / c.num_experts)
+                     for lp in params.layers if lp.router is not None)
+        self.weight_bytes_per_token = params.nbytes() - unread - (
             0 if params.lm_head is None else params.embed.nbytes)
         self.kv_bytes_per_position = c.kv_bytes_per_token(engine.runner.kv.k.dtype.itemsize)
 
@@ -94,17 +98,30 @@ def load_xlr(spec: dict) -> XlrRunner:
 
 
 def random_params(config: ModelConfig, dtype, seed: int) -> Params:
-    """Random weights, built per layer on the device (decode speed does not depend on values)."""
-    keys = iter(jax.random.split(jax.random.key(seed), 4 * config.num_layers + 2))
+    """Random weights, built per layer on the device (decode speed does not depend on values;
+    a MoE's routing does, and random routers spread tokens over the experts)."""
+    keys = iter(jax.random.split(jax.random.key(seed), 8 * config.num_layers + 2))
     d, ffn = config.hidden_size, config.intermediate_size
     qkv = config.q_size + 2 * config.kv_size
 
     def w(*shape):
         return jax.random.normal(next(keys), shape, dtype) * jnp.asarray(0.02, dtype)
 
+    def feed_forward() -> dict:
+        if not config.num_experts:
+            return dict(w_gate_up=w(2 * ffn, d), w_down=w(d, ffn))
+        e, width, shared = config.num_experts, config.moe_intermediate_size, config.shared_width
+        out = dict(router=w(e, d), w_experts_gate_up=w(e, d, 2 * width),
+                   w_experts_down=w(e, width, d))
+        if shared:
+            out.update(w_gate_up=w(2 * shared, d), w_down=w(d, shared))
+        if config.shared_expert_gate:
+            out["w_shared_gate"] = w(1, d)
+        return out
+
     layers = tuple(LayerParams(attn_norm=jnp.ones(d, dtype), wqkv=w(qkv, d), bqkv=None,
                                wo=w(d, config.q_size), mlp_norm=jnp.ones(d, dtype),
-                               w_gate_up=w(2 * ffn, d), w_down=w(d, ffn))
+                               **feed_forward())
                    for _ in range(config.num_layers))
     return Params(embed=w(config.vocab_size, d), layers=layers, final_norm=jnp.ones(d, dtype),
                   lm_head=None if config.tie_embeddings else w(config.vocab_size, d))

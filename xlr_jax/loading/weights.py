@@ -27,7 +27,7 @@ from xlr_jax.errors import ModelLoadError, UnsupportedModelError
 from xlr_jax.loading.disk_cache import atomic_entry, file_digest, load_arrays, save_arrays
 from xlr_jax.loading.tokenizer import Tokenizer
 from xlr_jax.model.config import ModelConfig, RopeScaling
-from xlr_jax.model.family import family
+from xlr_jax.model.family import Family, family, gguf_family
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +62,49 @@ def _stack_layers(per_layer: list[dict]) -> dict:
     return {name: np.stack([layer[name] for layer in per_layer]) for name in per_layer[0]}
 
 
-def _layer_dict(q, k, v, o, attn_norm, mlp_norm, gate, up, down, biases, extra, dtype):
-    """One layer's leaves (`LayerParams`); `extra`: its family's own, by leaf."""
+def _layer_dict(q, k, v, o, attn_norm, mlp_norm, ffn, biases, extra, dtype):
+    """One layer's leaves (`LayerParams`); `ffn`: its MLP's and experts' (`_ffn`);
+    `extra`: its family's own, by leaf."""
     out = {
         "attn_norm": attn_norm, "mlp_norm": mlp_norm,
-        "wqkv": np.concatenate([q, k, v], axis=0), "wo": o,
-        "w_gate_up": np.concatenate([gate, up], axis=0), "w_down": down, **extra,
+        "wqkv": np.concatenate([q, k, v], axis=0), "wo": o, **ffn, **extra,
     }
     if biases is not None:
         out["bqkv"] = np.concatenate(biases)
     return {name: np.asarray(a, dtype=dtype) for name, a in out.items()}
+
+
+def _ffn(mlp, experts=None, shared_gate=None) -> dict:
+    """A layer's FFN leaves: its gated MLP `mlp` (gate, up, down; a MoE layer's shared
+    expert, or None), and a MoE layer's `experts` (router [E, d], gate and up [E, I, d],
+    down [E, d, I], as the checkpoints hold them) in the grouped product's [in, out]
+    layout."""
+    out = {}
+    if mlp is not None:
+        gate, up, down = mlp
+        out.update(w_gate_up=np.concatenate([gate, up], axis=0), w_down=down)
+    if experts is not None:
+        router, gate, up, down = experts
+        out.update(router=router,
+                   w_experts_gate_up=np.concatenate([gate, up], axis=1).transpose(0, 2, 1),
+                   w_experts_down=down.transpose(0, 2, 1))
+    if shared_gate is not None:
+        out["w_shared_gate"] = shared_gate.reshape(1, -1)
+    return out
+
+
+def _moe_fields(fam: Family, experts: int, used: int, width: int, shared: int,
+                norm_topk: bool) -> dict:
+    """The ModelConfig fields of a mixture of experts in every layer (none for a dense
+    model); a family with experts must have them."""
+    if (fam.experts is not None) != (experts > 0):
+        raise UnsupportedModelError(f"a {fam.name} model {'needs' if fam.experts else 'has'} "
+                                    "experts; the config says otherwise")
+    if not experts:
+        return {}
+    return dict(num_experts=experts, experts_per_token=used, moe_intermediate_size=width,
+                norm_topk_prob=norm_topk, shared_experts=int(shared > 0),
+                shared_intermediate_size=shared, shared_expert_gate=shared > 0)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -85,7 +118,8 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def gguf_config(reader) -> ModelConfig:
     arch = reader.fields.get("general.architecture")
-    fam = family(arch, "GGUF architecture")
+    experts = int(reader.fields.get(f"{arch}.expert_count", 0))
+    fam = gguf_family(arch, experts)
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise UnsupportedModelError(
             "this GGUF stores llama3 rope scaling as rope_freqs; load the Hugging Face "
@@ -100,19 +134,24 @@ def gguf_config(reader) -> ModelConfig:
     scaling = RopeScaling()
     if f("rope.scaling.type") == "linear":
         scaling = RopeScaling(kind="linear", factor=float(f("rope.scaling.factor")))
+    ffn = int(f("feed_forward_length", 0))
+    moe = _moe_fields(fam, experts, int(f("expert_used_count", 0)),
+                      int(f("expert_feed_forward_length", ffn)),
+                      int(f("expert_shared_feed_forward_length", 0)),
+                      bool(f("expert_weights_norm", fam.norm_topk)))
     return ModelConfig(
-        architecture=arch,
+        architecture=fam.name,
         vocab_size=int(f("vocab_size", len(tokens) if tokens else 0)),
         hidden_size=hidden, num_layers=int(f("block_count")), num_heads=heads,
         num_kv_heads=int(f("attention.head_count_kv", heads)),
         head_dim=int(f("attention.key_length", hidden // heads)),
-        intermediate_size=int(f("feed_forward_length")),
+        intermediate_size=ffn,
         rms_norm_eps=float(f("attention.layer_norm_rms_epsilon")),
         rope_theta=float(f("rope.freq_base", 10000.0)),
         max_context=int(f("context_length")),
         tie_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm=fam.qk_norm,
-        sliding_window=None, rope_scaling=scaling)
+        sliding_window=None, rope_scaling=scaling, **moe)
 
 
 def _gguf_reader(path: Path):
@@ -169,8 +208,7 @@ def _load_gguf(source: ModelSource, dtype) -> dict:
         layers.append(_layer_dict(
             q, k, get(b + "attn_v.weight"), get(b + "attn_output.weight"),
             get(b + "attn_norm.weight"), get(b + "ffn_norm.weight"),
-            get(b + "ffn_gate.weight"), get(b + "ffn_up.weight"),
-            get(b + "ffn_down.weight"), biases,
+            _gguf_ffn(get, b, config), biases,
             {t.leaf: get(b + t.gguf) for t in fam.layer_tensors}, dtype))
     params = {"embed": get("token_embd.weight").astype(dtype),
               "layers": _stack_layers(layers),
@@ -180,6 +218,19 @@ def _load_gguf(source: ModelSource, dtype) -> dict:
     bar.close()
     _check_all_used(by_name, used, path)
     return params
+
+
+def _gguf_ffn(get, b: str, config: ModelConfig) -> dict:
+    """A layer's FFN from llama.cpp's names: the MLP, or the experts stacked
+    (`ffn_*_exps`, the router `ffn_gate_inp`) with a shared expert (`ffn_*_shexp`)."""
+    if not config.num_experts:
+        return _ffn([get(b + f"ffn_{n}.weight") for n in ("gate", "up", "down")])
+    shared = None
+    if config.shared_width:
+        shared = [get(b + f"ffn_{n}_shexp.weight") for n in ("gate", "up", "down")]
+    return _ffn(shared, [get(b + "ffn_gate_inp.weight"),
+                         *(get(b + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down"))],
+                get(b + "ffn_gate_inp_shexp.weight") if config.shared_expert_gate else None)
 
 
 # ---------------------------------------------------------------- HF directories
@@ -211,6 +262,15 @@ def hf_config(raw: dict) -> ModelConfig:
             raise UnsupportedModelError("models mixing sliding-window and full-attention "
                                         "layers are not supported yet")
         window = raw.get("sliding_window") if types[0] == "sliding_attention" else None
+    experts = raw.get("num_local_experts") or raw.get("num_experts") or 0
+    for key, dense in (("mlp_only_layers", []), ("decoder_sparse_step", 1)):
+        if experts and raw.get(key, dense) != dense:
+            raise UnsupportedModelError(f"{key}={raw[key]!r}: dense layers between MoE "
+                                        "layers are not supported yet")
+    moe = _moe_fields(fam, experts, raw.get("num_experts_per_tok", 0),
+                      raw.get("moe_intermediate_size") or raw["intermediate_size"],
+                      raw.get("shared_expert_intermediate_size", 0),
+                      bool(raw.get("norm_topk_prob", fam.norm_topk)))
     return ModelConfig(
         architecture=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
         num_layers=raw["num_hidden_layers"], num_heads=heads,
@@ -220,7 +280,7 @@ def hf_config(raw: dict) -> ModelConfig:
         rope_theta=float(theta), max_context=raw.get("max_position_embeddings", 4096),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=fam.qkv_bias or bool(raw.get("attention_bias", False)), qk_norm=fam.qk_norm,
-        sliding_window=window, rope_scaling=scaling)
+        sliding_window=window, rope_scaling=scaling, **moe)
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -278,9 +338,8 @@ def _load_hf(source: ModelSource, dtype) -> dict:
         layers.append(_layer_dict(
             get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight"),
             get(a + "o_proj.weight"), get(b + "input_layernorm.weight"),
-            get(b + "post_attention_layernorm.weight"), get(b + "mlp.gate_proj.weight"),
-            get(b + "mlp.up_proj.weight"), get(b + "mlp.down_proj.weight"), biases,
-            {t.leaf: get(b + t.hf) for t in fam.layer_tensors}, dtype))
+            get(b + "post_attention_layernorm.weight"), _hf_ffn(get, tensors, b, fam, config),
+            biases, {t.leaf: get(b + t.hf) for t in fam.layer_tensors}, dtype))
     params = {"embed": get("model.embed_tokens.weight").astype(dtype),
               "layers": _stack_layers(layers),
               "final_norm": get("model.norm.weight").astype(dtype)}
@@ -288,6 +347,25 @@ def _load_hf(source: ModelSource, dtype) -> dict:
         params["lm_head"] = get("lm_head.weight").astype(dtype)
     _check_all_used(tensors, used, path)
     return params
+
+
+def _hf_ffn(get, tensors: dict, b: str, fam: Family, config: ModelConfig) -> dict:
+    """A layer's FFN from HF names: the MLP, or the experts (per expert, or fused as
+    transformers v5 writes them) with a shared expert and its gate (Qwen2-MoE)."""
+    mlp = lambda p: [get(f"{p}{n}_proj.weight") for n in ("gate", "up", "down")]  # noqa: E731
+    if not config.num_experts:
+        return _ffn(mlp(b + "mlp."))
+    names = fam.experts
+    e = b + names.block + "experts."
+    if e + "gate_up_proj" in tensors:  # fused: [E, 2I, d] and [E, d, I]
+        gate, up = np.split(get(e + "gate_up_proj"), 2, axis=1)
+        experts = [gate, up, get(e + "down_proj")]
+    else:
+        experts = [np.stack([get(f"{e}{i}.{n}.weight") for i in range(config.num_experts)])
+                   for n in (names.gate, names.up, names.down)]
+    shared = mlp(b + "mlp.shared_expert.") if config.shared_width else None
+    return _ffn(shared, [get(b + names.block + "gate.weight"), *experts],
+                get(b + "mlp.shared_expert_gate.weight") if config.shared_expert_gate else None)
 
 
 def _check_all_used(tensors, used: set, path: Path) -> None:

@@ -41,6 +41,11 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     shared_experts: int = 0
     dense_layers: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalized to sum to 1
+    # the shared experts' width, all together (0: shared_experts x moe_intermediate_size);
+    # a gated shared expert (Qwen2-MoE) scales its output by sigmoid(x @ gate)
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
     # MLA-style attention through low-rank latents; the cache holds one
     # `kv_latent_dim` vector per token and layer (0 = plain GQA)
     q_latent_dim: int = 0
@@ -69,12 +74,17 @@ class ModelConfig:
     def expert_params(self) -> int:
         return 3 * self.hidden_size * self.moe_intermediate_size
 
+    @property
+    def shared_width(self) -> int:
+        return self.shared_intermediate_size or self.shared_experts * self.moe_intermediate_size
+
     def ffn_params(self, active: bool = False) -> int:
         """All layers' FFN weights (routers included); `active`: those one token uses."""
         dense = (self.num_layers - self.moe_layers) * 3 * self.hidden_size * self.intermediate_size
         experts = self.experts_per_token if active else self.num_experts
-        moe = self.moe_layers * ((experts + self.shared_experts) * self.expert_params()
-                                 + self.hidden_size * self.num_experts)
+        d = self.hidden_size
+        moe = self.moe_layers * (experts * self.expert_params() + 3 * d * self.shared_width
+                                 + d * (self.num_experts + self.shared_expert_gate))
         return dense + moe
 
     def embed_params(self) -> int:

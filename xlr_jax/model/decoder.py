@@ -33,10 +33,16 @@ class LayerParams:
     bqkv: jax.Array | None  # [q + 2kv] (Qwen2) or None
     wo: jax.Array          # [d, q]
     mlp_norm: jax.Array    # [d]
-    w_gate_up: jax.Array   # [2 * ffn, d]
-    w_down: jax.Array      # [d, ffn]
+    w_gate_up: jax.Array | None = None  # [2 * ffn, d]: the MLP (a MoE layer's shared expert)
+    w_down: jax.Array | None = None     # [d, ffn]
     q_norm: jax.Array | None = None  # [head_dim] (Qwen3) or None
     k_norm: jax.Array | None = None
+    # a MoE layer's: the router, every expert's weights stacked [in, out] (the layout of a
+    # grouped product), and the shared expert's gate (Qwen2-MoE)
+    router: jax.Array | None = None             # [E, d]
+    w_experts_gate_up: jax.Array | None = None  # [E, d, 2 * moe_ffn]
+    w_experts_down: jax.Array | None = None     # [E, moe_ffn, d]
+    w_shared_gate: jax.Array | None = None      # [1, d]
 
 
 @pytree_dataclass
@@ -176,10 +182,62 @@ def decoder(params: Params, kv: PagedKV, tokens, positions, page_ids, offsets, a
         attn = attend(q, (k_all, v_all), None if k_scale is None else (k_scale, v_scale), i)
         x = x + lin(attn.reshape(-1, c.q_size), lp.wo)
         h = rms_norm(x, lp.mlp_norm, c.rms_norm_eps)
-        gate, up = jnp.split(lin(h, lp.w_gate_up), 2, axis=-1)
-        x = x + lin(jax.nn.silu(gate) * up, lp.w_down)
+        x = x + (mixture(h, lp, c, lin) if lp.router is not None else mlp(h, lp, lin))
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
     return x, PagedKV(k_all, v_all, k_scale, v_scale)
+
+
+def mlp(h, lp: LayerParams, lin):
+    """The gated MLP: down(silu(gate(h)) * up(h))."""
+    gate, up = jnp.split(lin(h, lp.w_gate_up), 2, axis=-1)
+    return lin(jax.nn.silu(gate) * up, lp.w_down)
+
+
+def mixture(h, lp: LayerParams, c: ModelConfig, lin):
+    """A mixture-of-experts layer over tokens h [N, d]: each token's top-k experts by the
+    router's softmax (renormalized over the chosen with `norm_topk_prob`), their outputs
+    weighed and summed, plus the shared expert's (gated by a sigmoid where it has a gate).
+    Only the chosen experts run: `expert_outputs`."""
+    probs = jax.nn.softmax(linear(h, lp.router, out_dtype=jnp.float32), axis=-1)
+    weights, chosen = jax.lax.top_k(probs, c.experts_per_token)  # ties: the lower index
+    if c.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    out = jnp.sum(expert_outputs(h, chosen, lp) * weights.astype(h.dtype)[..., None], axis=1)
+    if lp.w_gate_up is not None:
+        shared = mlp(h, lp, lin)
+        if lp.w_shared_gate is not None:
+            shared = jax.nn.sigmoid(lin(h, lp.w_shared_gate)) * shared
+        out = out + shared
+    return out
+
+
+def expert_outputs(h, chosen, lp: LayerParams):
+    """Each token's chosen experts' outputs [N, k, d] for `chosen` [N, k]: with fewer
+    assignments than experts (decode), `gathered_experts`, else `grouped_experts`."""
+    n, k = chosen.shape
+    if n * k < lp.w_experts_gate_up.shape[0]:
+        return gathered_experts(h, chosen, lp)
+    return grouped_experts(h, chosen, lp)
+
+
+def gathered_experts(h, chosen, lp: LayerParams):
+    """Each token gathers its chosen experts' weights: only those are read."""
+    gate_up = jnp.einsum("nd,nkdo->nko", h, lp.w_experts_gate_up[chosen])
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jnp.einsum("nki,nkid->nkd", jax.nn.silu(gate) * up, lp.w_experts_down[chosen])
+
+
+def grouped_experts(h, chosen, lp: LayerParams):
+    """The assignments sorted by expert and run as one grouped product (`ragged_dot`):
+    every expert's weights read once, each token through its own experts only."""
+    n, k = chosen.shape
+    flat = chosen.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=lp.w_experts_gate_up.shape[0]).astype(jnp.int32)
+    gate_up = jax.lax.ragged_dot(h[order // k], lp.w_experts_gate_up, sizes)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, lp.w_experts_down, sizes)
+    return jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
 
 
 def page_slots(block_tables, positions, valid, page_size):

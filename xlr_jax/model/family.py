@@ -24,9 +24,22 @@ class LayerTensor:
 
 
 @dataclass(frozen=True)
+class ExpertNames:
+    """Where a MoE family's HF checkpoints keep a layer's experts (after
+    `model.layers.{i}.`): `{block}gate.weight` the router; per expert
+    `{block}experts.{e}.{gate|up|down}.weight`, or fused as transformers v5 writes them,
+    `{block}experts.gate_up_proj` [E, 2I, d] and `{block}experts.down_proj` [E, d, I]."""
+    block: str
+    gate: str
+    up: str
+    down: str
+
+
+@dataclass(frozen=True)
 class Family:
     """One family's differences from the base decoder (see the module docstring)."""
     name: str
+    gguf_name: str | None = None    # a GGUF's general.architecture (default: `name`)
     qkv_bias: bool = False          # the Q/K/V projections have biases
     qk_norm: bool = False           # each head's Q and K are RMS-normed before RoPE
     # without `layer_types` in its config, a window covers the layers from
@@ -34,14 +47,21 @@ class Family:
     window_from_layer: bool = False
     gguf_permuted_qk: bool = False  # llama.cpp interleaves the Q/K rows of its files
     layer_tensors: tuple[LayerTensor, ...] = ()
+    experts: ExpertNames | None = None  # a mixture of experts in every layer
+    norm_topk: bool = False  # the chosen experts' weights renormalized, where no key says
+
+    @property
+    def gguf(self) -> str:
+        return self.gguf_name or self.name
 
 
 @lru_cache(maxsize=1)
 def families() -> dict[str, Family]:
     """Every family, by name."""
-    from xlr_jax.model.families import llama, qwen2, qwen3
+    from xlr_jax.model.families import llama, mixtral, qwen2, qwen3, qwen_moe
 
-    return {f.name: f for module in (llama, qwen2, qwen3) for f in module.FAMILIES}
+    return {f.name: f for module in (llama, mixtral, qwen2, qwen3, qwen_moe)
+            for f in module.FAMILIES}
 
 
 def family(name: str | None, where: str = "architecture") -> Family:
@@ -51,3 +71,14 @@ def family(name: str | None, where: str = "architecture") -> Family:
         raise UnsupportedModelError(f"{where} {name!r} is not supported; supported: "
                                     f"{', '.join(known)}")
     return known[name]
+
+
+def gguf_family(arch: str | None, experts: int) -> Family:
+    """The family of a GGUF file: its `general.architecture` and whether it has experts
+    (llama.cpp writes Mixtral as "llama" with experts)."""
+    for f in families().values():
+        if f.gguf == arch and (f.experts is not None) == (experts > 0):
+            return f
+    names = sorted({f.gguf for f in families().values()})
+    raise UnsupportedModelError(f"GGUF architecture {arch!r}{' with experts' if experts else ''}"
+                                f" is not supported; supported: {', '.join(names)}")
