@@ -261,6 +261,9 @@ GGUF_CASES = {  # a GGUF's general.architecture: (its transformers model, config
     "qwen2moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig,
                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48)),
+    "llama": (MixtralForCausalLM, MixtralConfig,  # llama.cpp writes Mixtral as "llama"
+              dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                   intermediate_size=32)),
 }
 
 

@@ -83,18 +83,27 @@ HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-              "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+              "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+              "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
               "mlp.shared_expert.up_proj": "ffn_up_shexp",
               "mlp.shared_expert.down_proj": "ffn_down_shexp",
               "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 EXPERT_TO_GGUF = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
-                  "down_proj": "ffn_down_exps"}
+                  "down_proj": "ffn_down_exps", "w1": "ffn_gate_exps", "w3": "ffn_up_exps",
+                  "w2": "ffn_down_exps"}
+
+
+def _permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's interleaving of Q/K rows in "llama" files (pairs of adjacent dims)."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
 
 
 def write_hf_as_gguf(path: Path, arch: str, config: dict, tensors: dict) -> Path:
-    """A GGUF of an HF checkpoint (`config.json` as a dict, `tensors` by HF name, f32) of
-    a family llama.cpp writes without permuting Q/K rows (Qwen, dense or MoE), with the
-    tiny tokenizer: the model's vocabulary must be len(TOKENS)."""
+    """A GGUF of an HF checkpoint (`config.json` as a dict, `tensors` by HF name, f32) as
+    llama.cpp's converter writes it: Qwen (dense or MoE) as it is, Mixtral as "llama"
+    with Q/K rows permuted; with the tiny tokenizer: the model's vocabulary must be
+    len(TOKENS)."""
     assert config["vocab_size"] == len(TOKENS)
     writer = gguf.GGUFWriter(str(path), arch)
     _header(writer, layers=config["num_hidden_layers"], hidden=config["hidden_size"],
@@ -106,8 +115,9 @@ def write_hf_as_gguf(path: Path, arch: str, config: dict, tensors: dict) -> Path
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-        writer.add_expert_weights_norm(config["norm_topk_prob"])
+        if "moe_intermediate_size" in config:  # (Mixtral's experts are feed_forward_length)
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_weights_norm(config.get("norm_topk_prob", True))
         if config.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(
                 config["shared_expert_intermediate_size"])
@@ -121,12 +131,16 @@ def write_hf_as_gguf(path: Path, arch: str, config: dict, tensors: dict) -> Path
             continue
         _, _, i, rest = name.split(".", 3)
         part, kind = rest.rsplit(".", 1)
-        if part.startswith("mlp.experts."):  # mlp.experts.{e}.{gate_proj|up_proj|down_proj}
-            _, _, e, proj = part.split(".")
+        if ".experts." in part:  # mlp.experts.{e}.gate_proj, block_sparse_moe.experts.{e}.w1
+            e, proj = part.split(".")[-2:]
             experts.setdefault(f"blk.{i}.{EXPERT_TO_GGUF[proj]}.{kind}", {})[int(e)] = array
             continue
         if part == "mlp.shared_expert_gate":  # llama.cpp keeps it as a vector
             array = array.reshape(-1)
+        if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config["num_attention_heads" if part == "self_attn.q_proj"
+                           else "num_key_value_heads"]
+            array = _permute_rows(array, heads)
         writer.add_tensor(f"blk.{i}.{HF_TO_GGUF[part]}.{kind}", array)
     for name, by_expert in experts.items():
         writer.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))
