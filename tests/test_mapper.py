@@ -321,12 +321,33 @@ def test_llama3_8b_counts_against_a_hand_computation():
 
 @pytest.mark.parametrize("name,total,active", [
     ("llama-3-70b", 70.6e9, None), ("qwen2.5-72b", 72.7e9, None),
-    ("mixtral-8x7b", 46.7e9, 12.9e9), ("deepseek-v3-like", 671e9, 37e9)])
+    ("mixtral-8x7b", 46.7e9, 12.9e9), ("deepseek-v3-like", 671e9, 37e9),
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9 - 151936 * 2048)])  # 3.3 B active with its embedding
 def test_presets_match_published_sizes(name, total, active):
     arch = PRESETS[name]
     assert arch.num_params() == pytest.approx(total, rel=0.02)
     if active:  # active per token, less the input embedding (a lookup)
         assert arch.active_matmul_params() == pytest.approx(active, rel=0.05)
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])
+def test_moe_prefill_flops_against_a_hand_computation(name):
+    """The seed's exercise with the active experts: a 4096-token prefill's FLOPs by hand,
+    matmul by matmul, against the roofline's."""
+    c, prompt = PRESETS[name], 4096
+    d, hd, kv_heads = c.hidden_size, c.head_dim, c.num_kv_heads
+    q = c.num_heads * hd
+    per_token_layer = (2 * d * q            # Q
+                       + 2 * 2 * d * kv_heads * hd  # K, V
+                       + 2 * q * d          # O
+                       + 2 * d * c.num_experts  # the router
+                       + c.experts_per_token * 3 * 2 * d * c.moe_intermediate_size)  # experts
+    causal = prompt * (prompt + 1) // 2     # positions the prompt's queries see in all
+    attention = c.num_layers * 2 * 2 * c.num_heads * hd * causal  # scores and weighted sum
+    by_hand = prompt * c.num_layers * per_token_layer + attention + 2 * d * c.vocab_size
+    figures = estimate(c, preset("h200"), prompt=prompt)
+    # norms (2 d a token a layer, and q/k norms) are the only weights the hand count skips
+    assert figures["prefill_flops"] == pytest.approx(by_hand, rel=1e-4)
 
 
 def test_moe_decode_reads_only_touched_experts():
@@ -488,3 +509,65 @@ def test_the_cpu_plan_splits_a_prompt_tail_and_the_gpu_plan_pads_it(smollm2):
     assert first_chunk(171, cpu.buckets.chunk, cpu.step_cost_tokens) == 128
     assert first_chunk(171, gpu.buckets.chunk, gpu.step_cost_tokens) == gpu.buckets.chunk[-1]
     assert ExecutionPlan.from_json(cpu.to_json()) == cpu
+
+
+# ---------------------------------------------------------------- what fits (planning.fit)
+
+def test_what_fits_against_a_hand_computation():
+    """Llama-3-8B on a 24 GB GPU at 8192 tokens, by hand: 90% of the memory usable, 1 GB
+    reserved, one 512-token prefill step's activations (hidden states through a layer, the
+    chunk's f32 logits), the rest in 16-token pages; batch b fits while b full contexts'
+    pages (and the scratch page) fit beside b sequences' activations."""
+    from xlr_jax.planning.fit import fit
+
+    gpu = fake("gpu", 24, "NVIDIA RTX 4090")
+    table = fit(gpu, LLAMA3_8B, 8192)
+    rows = {(r["weights"], r["kv"]): r for r in table["rows"]}
+    params = 128256 * 4096 * 2 + 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336
+                                       + 2 * 4096) + 4096
+    assert params == 8_030_261_248
+    for kv, per_token in (("bfloat16", 32 * 2 * 8 * 128 * 2),
+                          ("int8", 32 * 2 * 8 * 128 + 32 * 2 * 8 * 4)):  # + f32 scales
+        row = rows[("bfloat16", kv)]
+        assert row["weight_bytes"] == 2 * params and row["kv_bytes_per_token"] == per_token
+
+        def pages(batch):
+            act = batch * 512 * (6 * 4096 + 2 * 14336) * 2 + 512 * 128256 * 4
+            return (int(0.9 * 24 * GB) - 2 * params - act - GB) // (16 * per_token) - 1
+
+        largest = max(b for b in range(1, 64) if b * 512 <= pages(b))
+        assert row["fits"] and row["largest_batch"] == largest
+        assert row["longest_context"] == min(pages(1) * 16, 8192)
+    assert (rows[("bfloat16", "bfloat16")]["largest_batch"], rows[("bfloat16", "int8")][
+        "largest_batch"]) == (3, 7)
+    f32 = rows[("float32", "bfloat16")]  # 32 GB of weights in 21.6 GB usable
+    assert not f32["fits"] and "weights need 32.12 GB" in f32["why"]
+    assert table["plan"]["weights"] == "bfloat16" and table["plan"]["kv"] == "bfloat16"
+
+
+def test_a_model_that_fits_nowhere_says_so_in_every_row():
+    from xlr_jax.planning.fit import fit
+
+    table = fit(fake("gpu", 8, "NVIDIA RTX 3070"), PRESETS["llama-3-70b"], 4096)
+    assert not any(r["fits"] for r in table["rows"]) and "error" in table["plan"]
+
+
+def test_plan_fit_cli_reads_presets_on_preset_hardware():
+    out = _xlr("plan", "mixtral-8x7b", "--fit", "--hardware", "h200", "--context", "32768",
+               "--json")
+    assert out.returncode == 0, out.stderr
+    table = json.loads(out.stdout)
+    assert table["device"] == "NVIDIA H200" and len(table["rows"]) == 8
+    fits = {(r["weights"], r["kv"]): r["fits"] for r in table["rows"]}
+    assert fits[("bfloat16", "bfloat16")] and not fits[("float32", "float32")]
+    text = _xlr("plan", "qwen3-30b-a3b", "--fit", "--hardware", "h100", "--context", "4096")
+    assert text.returncode == 0 and "the plan picks bfloat16 weights" in text.stdout
+    small = _xlr("plan", "qwen3-30b-a3b", "--fit", "--hardware", "rtx4090")  # 61 GB in bf16
+    assert small.returncode == 0 and "the plan: nothing fits" in small.stdout
+    plain = _xlr("plan", "llama-3-8b", "--hardware", "h100", "--json")
+    assert plain.returncode == 0, plain.stderr
+    assert ExecutionPlan.from_json(plain.stdout).device_name == "NVIDIA H100"
+    big = _xlr("plan", "llama-3-70b", "--hardware", "h100")  # 141 GB of bf16 weights
+    assert big.returncode == 2 and "weights need 141.11 GB" in big.stderr
+    bad = _xlr("plan", "--warmup", "--hardware", "h100")
+    assert bad.returncode == 2 and "--hardware" in bad.stderr

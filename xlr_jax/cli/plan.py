@@ -32,10 +32,8 @@ def cmd_probe(args) -> int:
 
 
 def _plan_for(args):
-    from xlr_jax import load_model, plan, probe
+    from xlr_jax import load_model, plan
     from xlr_jax.planning.mapper import Workload
-    from xlr_jax.loading.registry import resolve_model
-    from xlr_jax.loading.weights import read_config
 
     options = dict(dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
                    num_pages=args.num_pages, attn_impl=args.attn_impl,
@@ -43,11 +41,13 @@ def _plan_for(args):
     workload = dict(max_context=args.max_context, max_batch=args.max_batch,
                     prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens)
     if args.warmup:
+        if args.hardware != "this":
+            raise InvalidRequestError("--warmup compiles on this machine; drop --hardware")
         model = load_model(args.model, cache_dir=args.cache_dir,
                            prefix_cache=not args.no_prefix_cache, **options, **workload)
         return model.plan, model
-    path = resolve_model(args.model)
-    return plan(probe(), read_config(path), Workload(**workload), **options), None
+    return plan(_hardware(args.hardware), _model_config(args.model), Workload(**workload),
+                **options), None
 
 
 def cmd_plan(args) -> int:
@@ -55,6 +55,8 @@ def cmd_plan(args) -> int:
     from xlr_jax.ops import cpu_kernels
 
     args.model = args.model_pos or args.model
+    if args.fit:
+        return _print_fit(args)
     if args.warmup:  # the kernels built now, a failure recorded before tried again
         cpu_kernels.build_error(retry=True)
     execution, model = _plan_for(args)
@@ -82,6 +84,33 @@ def cmd_plan(args) -> int:
         print(f"          warmup: {len(times)} executables compiled in {warmup_s:.1f} s, "
               f"{os.cpu_count()} at a time (each {statistics.median(times):.2f} s median, "
               f"{max(times):.2f} s max)")
+    return 0
+
+
+def _print_fit(args) -> int:
+    from xlr_jax.planning.fit import fit
+
+    hw, config = _hardware(args.hardware), _model_config(args.model)
+    table = fit(hw, config, args.context)
+    if args.json:
+        print(json.dumps({"model": args.model, **table}, indent=2))
+        return 0
+    print(f"{args.model} on {table['device']} ({table['memory_bytes'] / 1e9:.1f} GB free), "
+          f"contexts of {table['context']} tokens, {table['page_size']}-token pages")
+    print(f"{'weights':<9} {'KV':<14} {'weights GB':>10} {'KV kB/token':>12} "
+          f"{'longest context':>16} {'sequences':>10}")
+    for r in table["rows"]:
+        tail = (f"{r['longest_context']:>16,} {r['largest_batch']:>10,}" if r["fits"]
+                else f"  does not fit: {r['why'].split(';')[0]}")
+        print(f"{r['weights']:<9} {r['kv']:<14} {r['weight_bytes'] / 1e9:>10.2f} "
+              f"{r['kv_bytes_per_token'] / 1e3:>12.1f} {tail}")
+    pick = table["plan"]
+    if "error" in pick:
+        print(f"the plan: nothing fits ({pick['error']})")
+    else:
+        print(f"the plan picks {pick['weights']} weights and {pick['kv']} KV, "
+              f"{pick['num_pages']:,} pages ({pick['max_batch']} sequences at once, of up to "
+              f"{pick['max_context']:,} tokens): {pick['why']}")
     return 0
 
 
@@ -158,11 +187,21 @@ def add_cli(sub, add_model_options) -> None:
                        description="Print the Execution Plan: every choice and why. "
                                    "Options override the mapper's choices.")
     p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
-                   help="model name or path (default: the embedded one)")
+                   help="a preset (llama-3-8b, llama-3-70b, qwen2.5-72b, mixtral-8x7b, "
+                        "qwen3-30b-a3b, ...), a model name or a path (default: the embedded "
+                        "one); no weights are read")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--warmup", action="store_true",
                    help="build the CPU kernels (again, if a build failed), load the model "
                         "and compile every bucket ahead of time")
+    p.add_argument("--hardware", default="this",
+                   help="plan for a GPU from the table (h200, h100, a100-80gb, rtx4090, "
+                        "rtx3090, ...) instead of this machine ('this', the default)")
+    p.add_argument("--fit", action="store_true",
+                   help="what fits: each weight format x KV dtype, with its bytes, the "
+                        "longest context and the most sequences that fit, and the plan's pick")
+    p.add_argument("--context", type=int, default=None,
+                   help="--fit: tokens per sequence (default: the model's trained context)")
     add_model_options(p)
     for flag, what in (("--max-context", "context length"), ("--max-batch", "sequences at once"),
                        ("--prefill-chunk", "prefill tokens per step"),

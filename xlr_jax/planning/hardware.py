@@ -101,13 +101,19 @@ def gpu_spec(name: str) -> GpuSpec | None:
     return None
 
 
+PRESET_ALIASES = {"a10080gb": "A100"}  # the table's "A100" is the 80 GB one
+
+
 def preset(name: str) -> HardwareProfile:
-    """A profile for a GPU in the table (e.g. "h200", "rtx 4090"), as if probed idle."""
-    key = next((k for k in KNOWN_GPUS if k.lower().replace(" ", "") ==
-                name.lower().replace(" ", "").replace("-", "")), None)
+    """A profile for a GPU in the table (e.g. "h200", "rtx 4090", "a100-80gb"), as if
+    probed idle."""
+    wanted = name.lower().replace(" ", "").replace("-", "")
+    key = PRESET_ALIASES.get(wanted) or next(
+        (k for k in KNOWN_GPUS if k.lower().replace(" ", "").replace("-", "") == wanted), None)
     if key is None:
         raise ValueError(f"unknown hardware {name!r}; known: "
-                         + ", ".join(k.lower().replace(" ", "") for k in KNOWN_GPUS))
+                         + ", ".join([k.lower().replace(" ", "") for k in KNOWN_GPUS]
+                                     + ["a100-80gb"]))
     spec = KNOWN_GPUS[key]
     mem = int(spec.memory_gb * GB)
     return HardwareProfile("gpu", f"NVIDIA {key}", 1, mem, mem, None, os.cpu_count() or 1,

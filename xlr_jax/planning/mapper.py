@@ -35,6 +35,8 @@ WAITING_PER_SLOT = 32      # default max_waiting per max_batch slot
 MAX_PREEMPTIONS = 2        # a request preempted this often is protected: it runs to the end
 MAX_PINNED_SHARE = 0.5     # stable tiers pinning more of the pool unpin LRU-first
 LINEAR_IMPLS = ("auto", "xla", "cpu")
+PAGE_SIZE = {"gpu": 16, "cpu": 64}      # tokens per KV page (see plan's reasons)
+PREFILL_CHUNK = {"gpu": 512, "cpu": 256}  # prefill tokens per step
 CPU_STEP_CHUNK = 64        # XLA:CPU: prompt tokens a step carries beside decode rows
 CPU_STEP_COST = 16         # XLA:CPU: a step's cost beyond its chunk's tokens, in tokens
 
@@ -250,7 +252,7 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
     if kv != compute and not gpu and kv_dtype is not None and is_quantized(kv):
         log.warning("quantized KV on the CPU is slow (XLA:CPU converts int8/fp8 slowly); "
                     "it saves memory, not time")
-    ps = choose("page_size", page_size, 16 if gpu else 64,
+    ps = choose("page_size", page_size, PAGE_SIZE[hardware.backend],
                 "GPU: 16-token pages share prefixes finely; the kernel reads 4 pages a block"
                 if gpu else "CPU: decode measured fastest at 64 of 16/32/64/128")
     if ps < 1:
@@ -261,7 +263,7 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
     batch = choose("max_batch", workload.max_batch, 64 if gpu else 8,
                    "GPU: decode is bandwidth-bound; 64 rows share each weight read" if gpu else
                    "CPU: 8 rows share each weight read; 2 cores saturate beyond")
-    chunk = choose("prefill_chunk", workload.prefill_chunk, 512 if gpu else 256,
+    chunk = choose("prefill_chunk", workload.prefill_chunk, PREFILL_CHUNK[hardware.backend],
                    "prefill tokens per step: large enough to be compute-bound, small enough "
                    "to interleave decode steps")
     step_tokens = choose(
@@ -287,12 +289,8 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         if value < 1:
             raise PlanError(f"{name} must be a positive integer (got {value})")
 
-    if gpu:
-        default_impl, impl_reason = "pallas", "GPU: the Pallas paged-attention kernel"
-    else:
-        default_impl, impl_reason = _cpu_impl(config, kv, ps)
-    impl = choose("attn_impl", None if attn_impl == "auto" else attn_impl, default_impl,
-                  impl_reason)
+    impl = choose("attn_impl", None if attn_impl == "auto" else attn_impl,
+                  *attention_for(hardware, config, kv, ps))
     if impl not in IMPLS[1:]:
         raise PlanError(f"attn_impl {impl!r} is not supported; choose one of {IMPLS}")
     linear = choose("linear_impl", None if linear_impl == "auto" else linear_impl,
@@ -321,7 +319,7 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                      + (f": {hardware.memory_source}" if hardware.memory_source else ""))
     per_context = pages_for(context, ps)
     while True:
-        memory = _budget(hardware, config, compute, kv, ps, batch, chunk, context, impl)
+        memory = memory_budget(hardware, config, compute, kv, ps, batch, chunk, context, impl)
         fits = memory.kv_budget_bytes // memory.page_bytes - 1  # page 0 is scratch
         if fits >= per_context or workload.max_batch is not None or batch <= 8:
             break
@@ -408,8 +406,19 @@ def _named(value: str, names: dict, what: str) -> str:
     return names[value]
 
 
-def _budget(hw: HardwareProfile, config: ModelConfig, compute: str, kv: str, ps: int,
-            batch: int, chunk: int, context: int, impl: str) -> MemoryBudget:
+def attention_for(hw: HardwareProfile, config: ModelConfig, kv: str, ps: int) -> tuple[str, str]:
+    """The attention a plan runs by default, and why: Pallas on the GPU, the CPU kernel
+    or the XLA walk on the CPU."""
+    if hw.backend == "gpu":
+        return "pallas", "GPU: the Pallas paged-attention kernel"
+    return _cpu_impl(config, kv, ps)
+
+
+def memory_budget(hw: HardwareProfile, config: ModelConfig, compute: str, kv: str, ps: int,
+                  batch: int, chunk: int, context: int, impl: str) -> MemoryBudget:
+    """Where a device's free memory goes: weights in `compute`, one prefill step's
+    activations, a reserve, and the KV pages' budget (the rest). Refused (PlanError)
+    when the weights do not fit."""
     device = hw.memory_free_bytes
     # GPU: keep 10% for the runtime and fragmentation; CPU: half the free RAM (the OS,
     # the Python heap and converted-weight copies live there too)

@@ -57,6 +57,11 @@ PRESETS: dict[str, ModelConfig] = {
     "mixtral-8x7b": _preset(32000, 4096, 32, 32, 8, 14336, architecture="mixtral",
                             rope_theta=1e6, max_context=32768, num_experts=8,
                             experts_per_token=2, moe_intermediate_size=14336),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 active, per-head Q/K norms
+    "qwen3-30b-a3b": ModelConfig("qwen3_moe", 151936, 2048, 48, 32, 4, 128, 6144, 1e-6, 1e6,
+                                 40960, False, qk_norm=True, num_experts=128,
+                                 experts_per_token=8, moe_intermediate_size=768,
+                                 norm_topk_prob=True),
     # DeepSeek-V3-like: MLA latents (512 + 64 rope dims cached), 3 dense layers, 256 routed
     # experts (top 8) and one shared expert per MoE layer
     "deepseek-v3-like": _preset(129280, 7168, 61, 128, 128, 18432, architecture="deepseek_v3",
