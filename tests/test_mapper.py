@@ -562,11 +562,14 @@ def test_plan_fit_cli_reads_presets_on_preset_hardware():
     assert fits[("bfloat16", "bfloat16")] and not fits[("float32", "float32")]
     text = _xlr("plan", "qwen3-30b-a3b", "--fit", "--hardware", "h100", "--context", "4096")
     assert text.returncode == 0 and "the plan picks bfloat16 weights" in text.stdout
+    assert "experts: 128 (8 active a token, 0 shared)" in text.stdout
     small = _xlr("plan", "qwen3-30b-a3b", "--fit", "--hardware", "rtx4090")  # 61 GB in bf16
     assert small.returncode == 0 and "the plan: nothing fits" in small.stdout
     plain = _xlr("plan", "llama-3-8b", "--hardware", "h100", "--json")
     assert plain.returncode == 0, plain.stderr
     assert ExecutionPlan.from_json(plain.stdout).device_name == "NVIDIA H100"
+    moe = _xlr("plan", "mixtral-8x7b", "--hardware", "h200")
+    assert moe.returncode == 0 and "experts: 8 (2 active a token, 0 shared)" in moe.stdout
     big = _xlr("plan", "llama-3-70b", "--hardware", "h100")  # 141 GB of bf16 weights
     assert big.returncode == 2 and "weights need 141.11 GB" in big.stderr
     bad = _xlr("plan", "--warmup", "--hardware", "h100")

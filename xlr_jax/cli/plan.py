@@ -45,9 +45,9 @@ def _plan_for(args):
             raise InvalidRequestError("--warmup compiles on this machine; drop --hardware")
         model = load_model(args.model, cache_dir=args.cache_dir,
                            prefix_cache=not args.no_prefix_cache, **options, **workload)
-        return model.plan, model
-    return plan(_hardware(args.hardware), _model_config(args.model), Workload(**workload),
-                **options), None
+        return model.plan, model, model.config
+    config = _model_config(args.model)
+    return plan(_hardware(args.hardware), config, Workload(**workload), **options), None, config
 
 
 def cmd_plan(args) -> int:
@@ -59,7 +59,7 @@ def cmd_plan(args) -> int:
         return _print_fit(args)
     if args.warmup:  # the kernels built now, a failure recorded before tried again
         cpu_kernels.build_error(retry=True)
-    execution, model = _plan_for(args)
+    execution, model, config = _plan_for(args)
     say_kernels_off(execution)
     started = time.perf_counter()
     report = model.warmup() if model is not None else None
@@ -76,6 +76,8 @@ def cmd_plan(args) -> int:
         note = f"   # {reasons[key]}" if key in reasons else ""
         print(f"{key:>16}: {value}{note}")
     print(f"{'buckets':>16}: # {reasons['buckets']}")
+    if config.num_experts:
+        print(f"{'experts':>16}: {_experts(config)}")
     print("          memory: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 1e9:.3f} GB"
                                            for k, v in memory.items())
           + f"   # {reasons['memory']}")
@@ -87,6 +89,11 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _experts(config) -> str:
+    return (f"{config.num_experts} ({config.experts_per_token} active a token, "
+            f"{config.shared_experts} shared)")
+
+
 def _print_fit(args) -> int:
     from xlr_jax.planning.fit import fit
 
@@ -96,7 +103,8 @@ def _print_fit(args) -> int:
         print(json.dumps({"model": args.model, **table}, indent=2))
         return 0
     print(f"{args.model} on {table['device']} ({table['memory_bytes'] / 1e9:.1f} GB free), "
-          f"contexts of {table['context']} tokens, {table['page_size']}-token pages")
+          f"contexts of {table['context']} tokens, {table['page_size']}-token pages"
+          + (f"; experts: {_experts(config)}" if config.num_experts else ""))
     print(f"{'weights':<9} {'KV':<14} {'weights GB':>10} {'KV kB/token':>12} "
           f"{'longest context':>16} {'sequences':>10}")
     for r in table["rows"]:
