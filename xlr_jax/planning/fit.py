@@ -9,6 +9,8 @@ device and why. `xlr plan MODEL --fit` prints it.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from xlr_jax.errors import PlanError
 from xlr_jax.kv.pages import pages_for
 from xlr_jax.model.config import ModelConfig
@@ -19,7 +21,6 @@ from xlr_jax.planning.mapper import (PAGE_SIZE, PREFILL_CHUNK, Workload, attenti
 # weight formats the runtime runs today (the quantized ones come with their kernels)
 WEIGHT_FORMATS = ("float32", "bfloat16")
 KV_FORMATS = ("float32", "bfloat16", "int8", "float8_e4m3fn")
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "int8": 1, "float8_e4m3fn": 1}
 MAX_BATCH = 4096  # the search's ceiling
 
 
@@ -29,8 +30,8 @@ def fit_row(hw: HardwareProfile, config: ModelConfig, weights: str, kv: str,
     ps, chunk = PAGE_SIZE[hw.backend], PREFILL_CHUNK[hw.backend]
     impl = attention_for(hw, config, kv, ps)[0]
     row = {"weights": weights, "kv": kv,
-           "weight_bytes": config.num_params() * ITEMSIZE[weights],
-           "kv_bytes_per_token": config.kv_bytes_per_token(ITEMSIZE[kv])}
+           "weight_bytes": config.num_params() * jnp.dtype(weights).itemsize,
+           "kv_bytes_per_token": config.kv_bytes_per_token(jnp.dtype(kv).itemsize)}
 
     def pages_left(batch: int) -> int:  # KV pages beside the scratch page
         budget = memory_budget(hw, config, weights, kv, ps, batch, chunk, context, impl)
