@@ -420,6 +420,31 @@ def test_load_model_public_api(zoo, tmp_path, name):
     assert experts == ({"total": 8, "active": 2, "shared": 1} if config.num_experts else None)
 
 
+def test_a_moe_draft_model_speculates_for_a_moe_of_its_family(zoo, tmp_path):
+    """Exact speculation on Qwen3-MoE with a separate one-layer Qwen3-MoE draft (the
+    target's first layer, embedding and head, with its own KV): the target's greedy
+    tokens, its drafts proposed and verified."""
+    hf, path = zoo["qwen3_moe"]
+    shutil.copytree(path, tmp_path / "target")
+    tok = HFTokenizer(tok_models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "target" / "tokenizer.json"))
+    config = Qwen3MoeConfig(**{**hf.config.to_dict(), "num_hidden_layers": 1})
+    draft = Qwen3MoeForCausalLM(config).float().eval()
+    draft.load_state_dict({k: v for k, v in hf.state_dict().items()
+                           if not k.startswith("model.layers.1.")})
+    draft.save_pretrained(tmp_path / "draft", safe_serialization=True)
+
+    model = xlr_jax.load_model(str(tmp_path / "target"), dtype="float32", params_cache=False,
+                               page_size=PAGE)
+    ids = [int(t) for t in random_ids(9, 40)]
+    plain = model.generate(ids, max_tokens=24, ignore_eos=True)
+    spec = model.generate(ids, max_tokens=24, ignore_eos=True, speculative={
+        "method": "exact", "draft": str(tmp_path / "draft"), "gamma": 3})
+    assert spec.token_ids == plain.token_ids
+    assert spec.metrics["draft_tokens"] > 0 and spec.metrics["target_passes"] < 24
+
+
 # ---------------------------------------------------------------- paged-KV properties (via Steps)
 
 NUM_PAGES = 48
