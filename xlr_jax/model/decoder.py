@@ -221,7 +221,8 @@ def expert_outputs(h, chosen, lp: LayerParams):
 
 
 def gathered_experts(h, chosen, lp: LayerParams):
-    """Each token gathers its chosen experts' weights: only those are read."""
+    """Each token gathers its chosen experts' weights: only those are read (the gather
+    copies them before the products; experiments/README.md#moe_products)."""
     gate_up = jnp.einsum("nd,nkdo->nko", h, lp.w_experts_gate_up[chosen])
     gate, up = jnp.split(gate_up, 2, axis=-1)
     return jnp.einsum("nki,nkid->nkd", jax.nn.silu(gate) * up, lp.w_experts_down[chosen])

@@ -33,9 +33,8 @@ def fit_row(hw: HardwareProfile, config: ModelConfig, weights: str, kv: str,
            "weight_bytes": config.num_params() * jnp.dtype(weights).itemsize,
            "kv_bytes_per_token": config.kv_bytes_per_token(jnp.dtype(kv).itemsize)}
 
-    def pages_left(batch: int) -> int:  # KV pages beside the scratch page
-        budget = memory_budget(hw, config, weights, kv, ps, batch, chunk, context, impl)
-        return budget.kv_budget_bytes // budget.page_bytes - 1
+    def pages_left(batch: int) -> int:
+        return memory_budget(hw, config, weights, kv, ps, batch, chunk, context, impl).kv_pages
 
     try:
         one = pages_left(1)

@@ -86,6 +86,11 @@ class MemoryBudget:
     kv_budget_bytes: int
     page_bytes: int
 
+    @property
+    def kv_pages(self) -> int:
+        """KV pages the budget holds beside the scratch page (page 0)."""
+        return self.kv_budget_bytes // self.page_bytes - 1
+
 
 @dataclass(frozen=True)
 class ExecutionPlan:
@@ -320,7 +325,7 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
     per_context = pages_for(context, ps)
     while True:
         memory = memory_budget(hardware, config, compute, kv, ps, batch, chunk, context, impl)
-        fits = memory.kv_budget_bytes // memory.page_bytes - 1  # page 0 is scratch
+        fits = memory.kv_pages
         if fits >= per_context or workload.max_batch is not None or batch <= 8:
             break
         batch //= 2  # prefill activations scale with the batch: trade rows for context

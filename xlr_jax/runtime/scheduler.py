@@ -242,7 +242,8 @@ class Scheduler:
             verify, left = verify_rows(plan)
         out = self.step(plan.plain, plan.chunk, verify) if plan.steps else SchedulerOutput([])
         out.events, out.cycles = events, plan.cycles(left)
-        out.promised = self.kv.owed_to(plan.running)  # after the step's reservations
+        if out.cycles:  # (counted after the step's reservations; only cycles read it)
+            out.promised = self.kv.owed_to(plan.running)
         return out
 
     def plan(self) -> StepPlan:
