@@ -35,7 +35,7 @@ QUICK = dict(rows=[1, 2], rounds=2, position=64, steps=[[2, 16]], bandwidth_runs
 MULTIPLY_SUM_ROWS = 24
 
 
-def product_chain(params, products):
+def product_chain(params, config, products):
     """Every layer's four weight products and the LM head, chained, jitted."""
     import jax
 
@@ -49,7 +49,7 @@ def product_chain(params, products):
             x = x + linear(qkv[:, :lp.wo.shape[1]], lp.wo, products)
             gate_up = linear(x, lp.w_gate_up, products)
             x = x + linear(gate_up[:, :lp.w_down.shape[1]], lp.w_down, products)
-        return lm_head(params, x[:, :d], products)
+        return lm_head(params, x[:, :d], config, products)
     return run
 
 
@@ -72,7 +72,8 @@ def product_figures(model, s: dict) -> dict:
                   if name == "dot" or 2 <= rows <= p.kernel_rows}
         if 2 <= rows <= MULTIPLY_SUM_ROWS:
             chosen["multiply_sum"] = RowProducts(rows, 0)
-        fns = {name: (lambda f=product_chain(params, p): jax.block_until_ready(f(params, x)))
+        fns = {name: (lambda f=product_chain(params, model.config, p):
+                      jax.block_until_ready(f(params, x)))
                for name, p in chosen.items()}
         times[str(rows)] = timed(fns, s["rounds"])
     one_row = times[str(s["rows"][0])]["dot"]

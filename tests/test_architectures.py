@@ -20,7 +20,9 @@ from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as tok_models
 from tokenizers import pre_tokenizers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                          Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM,
                           MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -81,6 +83,27 @@ def _no_shared_gate(config, params):
 
 def _window(size):
     return lambda config, params: (dataclasses.replace(config, sliding_window=size), params)
+
+
+def _no_attn_softcap(config, params):
+    return dataclasses.replace(config, attn_softcap=None), params
+
+
+def _global_rope_everywhere(config, params):
+    return dataclasses.replace(config, rope_local_theta=None), params
+
+
+# Gemma: windows of 24 over 90-token prompts, a query scale of its own (24 ** -0.5 for
+# 16-dim heads), caps small enough to bite on these random weights (Gemma-2), and
+# Gemma-3's local RoPE base far from its global one
+GEMMA = dict(TINY, sliding_window=24, query_pre_attn_scalar=24,
+             max_position_embeddings=512)
+GEMMA2 = Gemma2Config(num_hidden_layers=4, attn_logit_softcapping=3.0,
+                      final_logit_softcapping=5.0, **GEMMA)
+GEMMA3 = Gemma3TextConfig(num_hidden_layers=4, sliding_window_pattern=2, rope_parameters={
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
+    **GEMMA)
 
 
 # name: (model class, config, prompt length, expected ModelConfig fields, ablation that must break it)
@@ -146,6 +169,19 @@ CASES = {
         dict(architecture="qwen3_moe", qk_norm=True, num_experts=8, norm_topk_prob=True,
              shared_experts=0),
         _renorm(False)),
+    "gemma2_window": (
+        Gemma2ForCausalLM, GEMMA2, 90,
+        dict(architecture="gemma2", sliding_window=24, window_layers=(0, 2),
+             hidden_act="gelu_tanh", query_pre_attn_scalar=24.0, attn_softcap=3.0,
+             final_softcap=5.0, post_norms=True, scale_embeddings=True),
+        _no_attn_softcap),
+    "gemma3_window": (
+        Gemma3ForCausalLM, GEMMA3, 90,
+        dict(architecture="gemma3_text", sliding_window=24, window_layers=(0, 2),
+             qk_norm=True, rope_local_theta=10.0, rope_theta=1000000.0,
+             rope_scaling=RopeScaling("linear", 4.0), attn_softcap=None,
+             final_softcap=None),
+        _global_rope_everywhere),
     "mistral_no_window": (
         MistralForCausalLM,
         MistralConfig(num_hidden_layers=2, sliding_window=None, **TINY),
@@ -227,7 +263,50 @@ def test_logits_match_transformers(zoo, name):
         assert rel_err(xlr_logits(*ablate(loaded.config, loaded.params), ids), ref) > BROKEN
 
 
-@pytest.mark.parametrize("name", ["qwen3_qk_norm", "mixtral_moe", "qwen3_moe"])
+def _replace(**fields):
+    return lambda config, params: (dataclasses.replace(config, **fields), params)
+
+
+def _without_leaves(*names, **fields):
+    def ablate(config, params):
+        layers = {k: v for k, v in params["layers"].items() if k not in names}
+        return dataclasses.replace(config, **fields), {**params, "layers": layers}
+    return ablate
+
+
+def _norms_as_stored(config, params):  # the checkpoint's w, not Gemma's 1 + w
+    layers = {k: v - 1 if "norm" in k else v for k, v in params["layers"].items()}
+    return config, {**params, "layers": layers, "final_norm": params["final_norm"] - 1}
+
+
+GEMMA_ABLATIONS = {
+    "final_softcap": ("gemma2_window", _replace(final_softcap=None)),
+    "window_everywhere": ("gemma2_window", _replace(window_layers=())),
+    "no_window": ("gemma3_window", _replace(sliding_window=None, window_layers=())),
+    "head_dim_scale": ("gemma2_window", _replace(query_pre_attn_scalar=None)),
+    "no_post_norms": ("gemma2_window", _without_leaves("post_attn_norm", "post_mlp_norm",
+                                                       post_norms=False)),
+    "unscaled_embeddings": ("gemma3_window", _replace(scale_embeddings=False)),
+    "silu": ("gemma3_window", _replace(hidden_act="silu")),
+    "norm_offset": ("gemma3_window", _norms_as_stored),
+    "no_qk_norm": ("gemma3_window", _no_qk_norm),
+}
+
+
+@pytest.mark.parametrize("ablation", GEMMA_ABLATIONS)
+def test_every_gemma_feature_is_needed(zoo, ablation):
+    """Each of Gemma's differences from the base decoder, switched off alone, moves the
+    logits far from transformers' (the matching case passes in test_logits_match)."""
+    name, ablate = GEMMA_ABLATIONS[ablation]
+    hf, path = zoo[name]
+    loaded = load_weights(path, cache_dir=None)
+    ids = random_ids(100 + len(name), CASES[name][2])
+    assert rel_err(xlr_logits(*ablate(loaded.config, loaded.params), ids),
+                   hf_logits(hf, ids)) > BROKEN
+
+
+@pytest.mark.parametrize("name", ["qwen3_qk_norm", "mixtral_moe", "qwen3_moe",
+                                  "gemma2_window", "gemma3_window"])
 def test_greedy_tokens_match_transformers(zoo, name):
     """32 greedy tokens through the engine's loop (the prompt prefilled in chunks, then
     decode steps), plain and by exact self-speculation (its first layer drafting), are
@@ -264,6 +343,16 @@ GGUF_CASES = {  # a GGUF's general.architecture: (its transformers model, config
     "llama": (MixtralForCausalLM, MixtralConfig,  # llama.cpp writes Mixtral as "llama"
               dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2,
                    intermediate_size=32)),
+    # llama.cpp's GGUFs do not say the query scale (head_dim's but for the 27B models),
+    # Gemma-3's window pattern (6) or local RoPE base (10,000): the HF side uses those
+    "gemma2": (Gemma2ForCausalLM, Gemma2Config,
+               dict(GEMMA2.to_dict(), num_hidden_layers=3, query_pre_attn_scalar=16,
+                    layer_types=None)),
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig,
+               dict(GEMMA3.to_dict(), num_hidden_layers=7, query_pre_attn_scalar=16,
+                    layer_types=None, sliding_window_pattern=6, rope_parameters={
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "default", "rope_theta": 1e6}})),
 }
 
 
@@ -274,8 +363,8 @@ def test_a_gguf_of_the_same_weights_loads_the_same(tmp_path, arch):
     from tiny_gguf import TOKENS, write_hf_as_gguf
 
     cls, config_cls, options = GGUF_CASES[arch]
-    config = config_cls(num_hidden_layers=2, tie_word_embeddings=False,
-                        **{**TINY, **options, "vocab_size": len(TOKENS)})
+    config = config_cls(**{"num_hidden_layers": 2, **TINY, **options,
+                           "tie_word_embeddings": False, "vocab_size": len(TOKENS)})
     hf = random_model(cls, config, seed=11)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="numpy") as f:
@@ -392,7 +481,7 @@ def test_sharded_checkpoint_loads_identically(zoo, tmp_path):
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(p))
 
 
-@pytest.mark.parametrize("name", ["llama3_rope_untied", "qwen2_moe_shared"])
+@pytest.mark.parametrize("name", ["llama3_rope_untied", "qwen2_moe_shared", "gemma3_window"])
 def test_load_model_public_api(zoo, tmp_path, name):
     """load_model + Model.logits / Model.generate on token ids (a word-level tokenizer is added:
     load_model requires a tokenizer.json); the same prompt again reuses its cached prefix."""
@@ -420,19 +509,22 @@ def test_load_model_public_api(zoo, tmp_path, name):
     assert experts == ({"total": 8, "active": 2, "shared": 1} if config.num_experts else None)
 
 
-def test_a_moe_draft_model_speculates_for_a_moe_of_its_family(zoo, tmp_path):
-    """Exact speculation on Qwen3-MoE with a separate one-layer Qwen3-MoE draft (the
-    target's first layer, embedding and head, with its own KV): the target's greedy
-    tokens, its drafts proposed and verified."""
-    hf, path = zoo["qwen3_moe"]
+@pytest.mark.parametrize("name", ["qwen3_moe", "gemma2_window"])
+def test_a_draft_model_speculates_for_a_model_of_its_family(zoo, tmp_path, name):
+    """Exact speculation on Qwen3-MoE and on Gemma-2 with a separate one-layer draft of
+    the same family (the target's first layer, embedding and head, with its own KV): the
+    target's greedy tokens, its drafts proposed and verified."""
+    hf, path = zoo[name]
     shutil.copytree(path, tmp_path / "target")
     tok = HFTokenizer(tok_models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(tmp_path / "target" / "tokenizer.json"))
-    config = Qwen3MoeConfig(**{**hf.config.to_dict(), "num_hidden_layers": 1})
-    draft = Qwen3MoeForCausalLM(config).float().eval()
+    raw = {**hf.config.to_dict(), "num_hidden_layers": 1}
+    if raw.get("layer_types"):
+        raw["layer_types"] = raw["layer_types"][:1]
+    draft = type(hf)(type(hf.config)(**raw)).float().eval()
     draft.load_state_dict({k: v for k, v in hf.state_dict().items()
-                           if not k.startswith("model.layers.1.")})
+                           if not k.startswith("model.layers.") or k.startswith("model.layers.0.")})
     draft.save_pretrained(tmp_path / "draft", safe_serialization=True)
 
     model = xlr_jax.load_model(str(tmp_path / "target"), dtype="float32", params_cache=False,

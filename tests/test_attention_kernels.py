@@ -45,8 +45,9 @@ def poisoned_outputs():
         yield
 
 
-def dense_attention(q, k, v, lengths, positions, window=None):
-    """float64 numpy: q [B, L, H, D]; k, v [B, KVH, S, D] each sequence's cache in order."""
+def dense_attention(q, k, v, lengths, positions, window=None, softcap=None):
+    """float64 numpy: q [B, L, H, D]; k, v [B, KVH, S, D] each sequence's cache in order;
+    scores soft-capped (cap * tanh(s / cap)) with `softcap`."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch, q_len, heads, dim = q.shape
     group = heads // k.shape[1]
@@ -62,6 +63,8 @@ def dense_attention(q, k, v, lengths, positions, window=None):
                 continue
             for h in range(heads):
                 scores = k[b, h // group][seen] @ q[b, t, h] / np.sqrt(dim)
+                if softcap is not None:
+                    scores = softcap * np.tanh(scores / softcap)
                 w = np.exp(scores - scores.max())
                 out[b, t, h] = w @ v[b, h // group][seen] / w.sum()
     return out
@@ -96,14 +99,15 @@ def make_case(seed, *, batch, q_len, heads, kv_heads, head_dim, page_size, lengt
     return q, k, v, jnp.asarray(tables, jnp.int32), jnp.asarray(lengths), jnp.asarray(positions)
 
 
-def check_both(q, k, v, tables, lengths, positions, *, window=None, dtype=jnp.float32):
+def check_both(q, k, v, tables, lengths, positions, *, window=None, softcap=None,
+               dtype=jnp.float32):
     ref = dense_attention(q.astype(jnp.float32), sequence_cache(k, tables),
                           sequence_cache(v, tables), np.asarray(lengths), np.asarray(positions),
-                          window)
+                          window, softcap)
     outs = {}
     for impl in ("pallas", "xla", "xla-blocked", "cpu"):
         out = paged_attention(q, (k, v), tables, lengths, positions, sliding_window=window,
-                              **_impl_args(impl, tables))
+                              softcap=softcap, **_impl_args(impl, tables))
         assert out.shape == q.shape and out.dtype == q.dtype
         assert np.isfinite(np.asarray(out.astype(jnp.float32))).all(), impl
         assert rel_err(out.astype(jnp.float32), ref) < TOL[dtype], impl
@@ -174,6 +178,22 @@ def test_kernel_random_shapes(page_size, head_dim, ratio, q_len, batch, data):
                        heads=ratio * kv_heads, kv_heads=kv_heads, head_dim=head_dim,
                        page_size=page_size, lengths=lengths, table_width=table_width)
     check_both(*arrays)
+
+
+@pytest.mark.parametrize("q_len, window", [(1, None), (6, None), (1, 21), (6, 21)])
+def test_soft_capped_scores_in_every_impl(q_len, window):
+    """Gemma-2's cap * tanh(score / cap) on the scores, before the mask and the softmax,
+    in every implementation (the CPU kernel leaves capped scores to the XLA walk): each
+    matches the float64 reference, which the uncapped attention does not."""
+    q, k, v, tables, lengths, positions = make_case(
+        q_len + 50, batch=3, q_len=q_len, heads=8, kv_heads=2, head_dim=64, page_size=8,
+        lengths=[61, 40, 17], table_width=8)
+    q = q * 4  # scores of a few units: a cap of 2 changes them
+    check_both(q, k, v, tables, lengths, positions, window=window, softcap=2.0)
+    capped = dense_attention(q, sequence_cache(k, tables), sequence_cache(v, tables),
+                             np.asarray(lengths), np.asarray(positions), window, 2.0)
+    plain = paged_attention(q, (k, v), tables, lengths, positions, sliding_window=window)
+    assert rel_err(plain, capped) > 0.05
 
 
 @pytest.mark.parametrize("window", [None, 37])
@@ -398,11 +418,19 @@ def tiny_params():
     return jax.tree.map(lambda a: a * 10 if a.ndim == 2 else a, params)
 
 
-@pytest.mark.parametrize("window", [None, 24])
+def windowed(config: ModelConfig, window) -> ModelConfig:
+    """`config` with no window, or a window of 24 on layer 0 only (as Gemma's windowed
+    layers between global ones) with a RoPE base of its own."""
+    if window is None:
+        return config
+    return ModelConfig(**{**config.__dict__, "architecture": "mistral", "sliding_window": 24,
+                          "window_layers": (0,), "rope_local_theta": 100.0})
+
+
+@pytest.mark.parametrize("window", [None, "24 on layer 0"])
 def test_model_logits_same_through_either_impl(tiny_params, window):
     """Chunked prefill over a cached prefix (70 tokens in chunks of 32), then greedy decode."""
-    config = TINY if window is None else ModelConfig(
-        **{**TINY.__dict__, "architecture": "mistral", "sliding_window": window})
+    config = windowed(TINY, window)
     ids = [int(t) for t in np.random.default_rng(1).integers(0, 512, 70)]
     logits, tokens = {}, {}
     for impl in ("pallas", "xla"):
@@ -415,13 +443,12 @@ def test_model_logits_same_through_either_impl(tiny_params, window):
     assert tokens["pallas"] == tokens["xla"]
 
 
-@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("window", [None, "24 on layer 0"])
 def test_model_decodes_the_same_through_the_cpu_kernel(window, cpu_kernels_on):
     """Two prompts decoding side by side (2-row decode steps, 60 tokens each past a
     40-token prompt: pages fill and the window slides) through the CPU kernel and through
     the XLA walk: the same greedy tokens, log-probabilities within 1e-4."""
-    config = ModelConfig(**{**TINY.__dict__, "head_dim": 64, **(
-        {} if window is None else {"architecture": "mistral", "sliding_window": window})})
+    config = windowed(ModelConfig(**{**TINY.__dict__, "head_dim": 64}), window)
     params = jax.tree.map(lambda a: a * 10 if a.ndim == 2 else a,
                           random_params(config, jnp.float32, seed=5))
     rng = np.random.default_rng(6)
@@ -484,10 +511,11 @@ def test_compiled_kernel_on_gpu():
         check_both(q, k, v, tables, lengths, positions, dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("q_len,kv_dtype,layer,window", [
-    (1, jnp.bfloat16, None, None), (5, jnp.bfloat16, 2, None), (64, jnp.bfloat16, None, 100),
-    (1, jnp.int8, None, None), (3, jnp.float8_e4m3fn, 1, None)])
-def test_kernel_lowers_through_triton_without_a_gpu(q_len, kv_dtype, layer, window):
+@pytest.mark.parametrize("q_len,kv_dtype,layer,window,softcap", [
+    (1, jnp.bfloat16, None, None, None), (5, jnp.bfloat16, 2, None, None),
+    (64, jnp.bfloat16, None, 100, 50.0), (1, jnp.int8, None, None, None),
+    (3, jnp.float8_e4m3fn, 1, None, 50.0)])
+def test_kernel_lowers_through_triton_without_a_gpu(q_len, kv_dtype, layer, window, softcap):
     """Lowering for CUDA needs no device: every Pallas primitive the kernel uses has a Triton
     rule (what interpret mode cannot show). Compiling the PTX still needs the GPU check."""
     batch, pages = 4, 8
@@ -496,7 +524,7 @@ def test_kernel_lowers_through_triton_without_a_gpu(q_len, kv_dtype, layer, wind
     scales = None if kv_dtype == jnp.bfloat16 else jnp.ones(pool[:-1], jnp.float32)
     lowered = jax.jit(functools.partial(
         ragged_paged_attention_pallas, max_q_len=q_len, layer=layer, sliding_window=window,
-        interpret=False)).trace(
+        softcap=softcap, interpret=False)).trace(
         jnp.zeros((batch * q_len, 32, 128), jnp.bfloat16), k, k,
         jnp.zeros((batch, pages), jnp.int32), jnp.full(batch, 100, jnp.int32),
         jnp.arange(batch + 1, dtype=jnp.int32) * q_len, jnp.zeros(batch * q_len, jnp.int32),

@@ -322,7 +322,8 @@ def test_llama3_8b_counts_against_a_hand_computation():
 @pytest.mark.parametrize("name,total,active", [
     ("llama-3-70b", 70.6e9, None), ("qwen2.5-72b", 72.7e9, None),
     ("mixtral-8x7b", 46.7e9, 12.9e9), ("deepseek-v3-like", 671e9, 37e9),
-    ("qwen3-30b-a3b", 30.5e9, 3.3e9 - 151936 * 2048)])  # 3.3 B active with its embedding
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9 - 151936 * 2048),  # 3.3 B active with its embedding
+    ("gemma-2-9b", 9.24e9, None), ("gemma-3-27b", 27.0e9, None)])  # Gemma-3: its text model
 def test_presets_match_published_sizes(name, total, active):
     arch = PRESETS[name]
     assert arch.num_params() == pytest.approx(total, rel=0.02)
@@ -348,6 +349,28 @@ def test_moe_prefill_flops_against_a_hand_computation(name):
     figures = estimate(c, preset("h200"), prompt=prompt)
     # norms (2 d a token a layer, and q/k norms) are the only weights the hand count skips
     assert figures["prefill_flops"] == pytest.approx(by_hand, rel=1e-4)
+
+
+def test_windowed_layers_read_and_compute_over_their_window_only():
+    """Gemma-2-9B at a 32,768-token context, by hand: its 21 global layers read every
+    cached position, its 21 windowed ones the last 4,096; a prompt's query i sees i + 1
+    positions on a global layer and at most 4,096 on a windowed one."""
+    c, context, window = PRESETS["gemma-2-9b"], 32768, 4096
+    kv_layer_token = 2 * 8 * 256 * 2  # K and V, 8 heads of 256, bf16
+    weights = weight_bytes_read(c, 1, 2)
+    kv = kv_layer_token * (21 * (context + 1) + 21 * window)
+    figures = estimate(c, preset("h200"), prompt=context)
+    assert figures["decode_bytes_per_step"] == pytest.approx(weights + kv, rel=1e-9)
+    causal = context * (context + 1) / 2
+    windowed = window * (window + 1) / 2 + (context - window) * window
+    attention = 4 * 16 * 256 * (21 * causal + 21 * windowed)  # scores and weighted sum
+    matmul = c.active_matmul_params()
+    by_hand = 2 * context * (matmul - c.embed_params()) + 2 * c.embed_params() + attention
+    assert figures["prefill_flops"] == pytest.approx(by_hand, rel=1e-9)
+    # the same model without its windows reads the whole context on every layer
+    plain = dataclasses.replace(c, sliding_window=None, window_layers=())
+    assert estimate(plain, preset("h200"), prompt=context)["decode_bytes_per_step"] \
+        == pytest.approx(weights + kv_layer_token * 42 * (context + 1), rel=1e-9)
 
 
 def test_moe_decode_reads_only_touched_experts():

@@ -88,6 +88,9 @@ HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "mlp.shared_expert.up_proj": "ffn_up_shexp",
               "mlp.shared_expert.down_proj": "ffn_down_shexp",
               "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
 EXPERT_TO_GGUF = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
                   "down_proj": "ffn_down_exps", "w1": "ffn_gate_exps", "w3": "ffn_up_exps",
                   "w2": "ffn_down_exps"}
@@ -102,15 +105,23 @@ def _permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
 def write_hf_as_gguf(path: Path, arch: str, config: dict, tensors: dict) -> Path:
     """A GGUF of an HF checkpoint (`config.json` as a dict, `tensors` by HF name, f32) as
     llama.cpp's converter writes it: Qwen (dense or MoE) as it is, Mixtral as "llama"
-    with Q/K rows permuted; with the tiny tokenizer: the model's vocabulary must be
-    len(TOKENS)."""
+    with Q/K rows permuted, Gemma with 1 added to its norms' weights; with the tiny
+    tokenizer: the model's vocabulary must be len(TOKENS)."""
     assert config["vocab_size"] == len(TOKENS)
     writer = gguf.GGUFWriter(str(path), arch)
+    rope = config["rope_parameters"]
+    gemma = arch.startswith("gemma")
     _header(writer, layers=config["num_hidden_layers"], hidden=config["hidden_size"],
             heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
             ffn=config["intermediate_size"], context=config["max_position_embeddings"],
             head_dim=config["head_dim"], eps=config["rms_norm_eps"],
-            theta=config["rope_parameters"]["rope_theta"])
+            theta=rope.get("full_attention", rope)["rope_theta"])
+    if gemma:
+        writer.add_sliding_window(config["sliding_window"])
+        for key, add in (("attn_logit_softcapping", writer.add_attn_logit_softcapping),
+                         ("final_logit_softcapping", writer.add_final_logit_softcapping)):
+            if config.get(key):
+                add(config[key])
     experts = config.get("num_local_experts") or config.get("num_experts")
     if experts:
         writer.add_expert_count(experts)
@@ -125,6 +136,8 @@ def write_hf_as_gguf(path: Path, arch: str, config: dict, tensors: dict) -> Path
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, array in tensors.items():
+        if gemma and name.endswith("norm.weight"):
+            array = array + 1
         if name in top:
             if name != "lm_head.weight" or not config["tie_word_embeddings"]:
                 writer.add_tensor(top[name], array)
@@ -141,7 +154,8 @@ def write_hf_as_gguf(path: Path, arch: str, config: dict, tensors: dict) -> Path
             heads = config["num_attention_heads" if part == "self_attn.q_proj"
                            else "num_key_value_heads"]
             array = _permute_rows(array, heads)
-        writer.add_tensor(f"blk.{i}.{HF_TO_GGUF[part]}.{kind}", array)
+        names = {**HF_TO_GGUF, **GEMMA_NORMS} if gemma else HF_TO_GGUF
+        writer.add_tensor(f"blk.{i}.{names[part]}.{kind}", array)
     for name, by_expert in experts.items():
         writer.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))
     return _finish(writer, path)

@@ -139,19 +139,32 @@ def gguf_config(reader) -> ModelConfig:
                       int(f("expert_feed_forward_length", ffn)),
                       int(f("expert_shared_feed_forward_length", 0)),
                       bool(f("expert_weights_norm", fam.norm_topk)))
+    layers, head_dim = int(f("block_count")), int(f("attention.key_length", hidden // heads))
+    window, window_layers = f("attention.sliding_window"), ()
+    if window and fam.window_pattern:  # llama.cpp's rule for the family: not in the file
+        every = fam.window_pattern
+        window_layers = _windowed(tuple(i for i in range(layers) if (i + 1) % every), layers)
+    scalar = None
+    if fam.gguf_width_scaled_layers:
+        scalar = hidden // heads if layers == fam.gguf_width_scaled_layers else head_dim
     return ModelConfig(
         architecture=fam.name,
         vocab_size=int(f("vocab_size", len(tokens) if tokens else 0)),
-        hidden_size=hidden, num_layers=int(f("block_count")), num_heads=heads,
-        num_kv_heads=int(f("attention.head_count_kv", heads)),
-        head_dim=int(f("attention.key_length", hidden // heads)),
+        hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=int(f("attention.head_count_kv", heads)), head_dim=head_dim,
         intermediate_size=ffn,
         rms_norm_eps=float(f("attention.layer_norm_rms_epsilon")),
         rope_theta=float(f("rope.freq_base", 10000.0)),
         max_context=int(f("context_length")),
         tie_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm=fam.qk_norm,
-        sliding_window=None, rope_scaling=scaling, **moe)
+        sliding_window=int(window) if window else None, window_layers=window_layers,
+        rope_scaling=scaling,
+        rope_local_theta=fam.local_rope_theta if window else None,
+        hidden_act=fam.hidden_act, scale_embeddings=fam.scale_embeddings,
+        query_pre_attn_scalar=None if scalar is None else float(scalar),
+        post_norms=fam.post_norms, attn_softcap=_cap(f("attn_logit_softcapping")),
+        final_softcap=_cap(f("final_logit_softcapping")), **moe)
 
 
 def _gguf_reader(path: Path):
@@ -235,10 +248,21 @@ def _gguf_ffn(get, b: str, config: ModelConfig) -> dict:
 
 # ---------------------------------------------------------------- HF directories
 
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF's name: ours
+
+
 def hf_config(raw: dict) -> ModelConfig:
     arch = raw.get("model_type")
     fam = family(arch, "model_type")
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    local_theta = raw.get("rope_local_base_freq", fam.local_rope_theta)
+    if "full_attention" in rope:  # per layer type (Gemma-3, transformers v5)
+        local = rope.get("sliding_attention", {})
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError("rope_parameters.sliding_attention: only unscaled "
+                                        "RoPE is supported on windowed layers")
+        local_theta = local.get("rope_theta", local_theta)
+        rope = rope["full_attention"]
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "linear", "llama3"):
         raise UnsupportedModelError(f"rope scaling {kind!r} is not supported; "
@@ -252,16 +276,11 @@ def hf_config(raw: dict) -> ModelConfig:
             original_max_position=int(rope.get("original_max_position_embeddings", 8192)))
     heads = raw["num_attention_heads"]
     theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
-    types = raw.get("layer_types")
-    if types is None and fam.window_from_layer:
-        types = ["sliding_attention" if window and i >= raw.get("max_window_layers", 0)
-                 else "full_attention" for i in range(raw["num_hidden_layers"])]
-    if types is not None:
-        if len(set(types)) > 1:
-            raise UnsupportedModelError("models mixing sliding-window and full-attention "
-                                        "layers are not supported yet")
-        window = raw.get("sliding_window") if types[0] == "sliding_attention" else None
+    window, window_layers = _hf_windows(raw, fam)
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or fam.hidden_act
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(f"hidden_activation {act!r} is not supported; "
+                                    f"supported: {', '.join(ACTIVATIONS)}")
     experts = raw.get("num_local_experts") or raw.get("num_experts") or 0
     for key, dense in (("mlp_only_layers", []), ("decoder_sparse_step", 1)):
         if experts and raw.get(key, dense) != dense:
@@ -271,6 +290,7 @@ def hf_config(raw: dict) -> ModelConfig:
                       raw.get("moe_intermediate_size") or raw["intermediate_size"],
                       raw.get("shared_expert_intermediate_size", 0),
                       bool(raw.get("norm_topk_prob", fam.norm_topk)))
+    scalar = raw.get("query_pre_attn_scalar")
     return ModelConfig(
         architecture=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
         num_layers=raw["num_hidden_layers"], num_heads=heads,
@@ -280,7 +300,47 @@ def hf_config(raw: dict) -> ModelConfig:
         rope_theta=float(theta), max_context=raw.get("max_position_embeddings", 4096),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=fam.qkv_bias or bool(raw.get("attention_bias", False)), qk_norm=fam.qk_norm,
-        sliding_window=window, rope_scaling=scaling, **moe)
+        sliding_window=window, window_layers=window_layers, rope_scaling=scaling,
+        rope_local_theta=None if local_theta is None or not window else float(local_theta),
+        hidden_act=ACTIVATIONS[act], scale_embeddings=fam.scale_embeddings,
+        query_pre_attn_scalar=None if scalar is None else float(scalar),
+        post_norms=fam.post_norms, attn_softcap=_cap(raw.get("attn_logit_softcapping")),
+        final_softcap=_cap(raw.get("final_logit_softcapping")), **moe)
+
+
+def _cap(value) -> float | None:
+    return float(value) if value else None
+
+
+def _hf_windows(raw: dict, fam: Family) -> tuple[int | None, tuple[int, ...]]:
+    """The sliding window and the layers it covers (empty: all), from `layer_types` or,
+    without it, the family's rule."""
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    layers = raw["num_hidden_layers"]
+    types = raw.get("layer_types")
+    if types is None and fam.window_pattern:
+        every = (raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern")
+                 or fam.window_pattern)
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                 for i in range(layers)]
+    elif types is None and fam.window_from_layer:
+        types = ["sliding_attention" if window and i >= raw.get("max_window_layers", 0)
+                 else "full_attention" for i in range(layers)]
+    if types is None:
+        return window, ()
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown or len(types) != layers:
+        raise UnsupportedModelError(f"layer_types {sorted(unknown) or types!r}: one of "
+                                    "sliding_attention, full_attention per layer is supported")
+    windowed = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not window or not windowed:
+        return None, ()
+    return window, _windowed(windowed, layers)
+
+
+def _windowed(windowed: tuple[int, ...], layers: int) -> tuple[int, ...]:
+    """ModelConfig.window_layers: the windowed layers, or () when that is all of them."""
+    return () if len(windowed) == layers else windowed
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -328,6 +388,7 @@ def _load_hf(source: ModelSource, dtype) -> dict:
             raise ModelLoadError(f"{path} lacks tensor {name!r}") from None
 
     fam = family(config.architecture)
+    norm = lambda name: get(name) + fam.norm_offset  # noqa: E731 (Gemma: 1 + w)
     layers = []
     for i in range(config.num_layers):
         b = f"model.layers.{i}."
@@ -337,12 +398,12 @@ def _load_hf(source: ModelSource, dtype) -> dict:
             biases = [get(a + f"{n}_proj.bias") for n in "qkv"]
         layers.append(_layer_dict(
             get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight"),
-            get(a + "o_proj.weight"), get(b + "input_layernorm.weight"),
-            get(b + "post_attention_layernorm.weight"), _hf_ffn(get, tensors, b, fam, config),
-            biases, {t.leaf: get(b + t.hf) for t in fam.layer_tensors}, dtype))
+            get(a + "o_proj.weight"), norm(b + "input_layernorm.weight"),
+            norm(b + fam.mlp_norm_hf), _hf_ffn(get, tensors, b, fam, config), biases,
+            {t.leaf: (norm if t.norm else get)(b + t.hf) for t in fam.layer_tensors}, dtype))
     params = {"embed": get("model.embed_tokens.weight").astype(dtype),
               "layers": _stack_layers(layers),
-              "final_norm": get("model.norm.weight").astype(dtype)}
+              "final_norm": norm("model.norm.weight").astype(dtype)}
     if not config.tie_embeddings:
         params["lm_head"] = get("lm_head.weight").astype(dtype)
     _check_all_used(tensors, used, path)

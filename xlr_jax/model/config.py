@@ -34,7 +34,20 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False  # each head's Q and K RMS-normed before RoPE (Qwen3)
     sliding_window: int | None = None
+    # which layers the window covers, by index (empty: every layer); the others see all
+    window_layers: tuple[int, ...] = ()
     rope_scaling: RopeScaling = RopeScaling()
+    # the windowed layers' own RoPE base, unscaled (Gemma-3); None: rope_theta as the rest
+    rope_local_theta: float | None = None
+    # Gemma: the MLP's activation, embeddings times sqrt(hidden), a query scale of
+    # query_pre_attn_scalar ** -0.5 (not head_dim's), norms after attention and the MLP
+    # too, and tanh soft-capping of attention scores and final logits (Gemma-2)
+    hidden_act: str = "silu"  # "silu", or "gelu_tanh" (GeGLU)
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    post_norms: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
     # MoE (0 experts = dense); the first `dense_layers` layers stay dense
     num_experts: int = 0
     experts_per_token: int = 0
@@ -58,6 +71,18 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window `layer` attends through (None: the whole context)."""
+        if self.window_layers and layer not in self.window_layers:
+            return None
+        return self.sliding_window
+
+    def rope_base(self, layer: int) -> tuple[float, RopeScaling]:
+        """`layer`'s RoPE base and scaling."""
+        if self.rope_local_theta is not None and self.window(layer) is not None:
+            return self.rope_local_theta, RopeScaling()
+        return self.rope_theta, self.rope_scaling
 
     @property
     def moe_layers(self) -> int:
@@ -92,7 +117,8 @@ class ModelConfig:
 
     def num_params(self) -> int:
         d = self.hidden_size
-        layers = self.num_layers * (self.attention_params() + 2 * d) + self.ffn_params()
+        norms = 4 if self.post_norms else 2
+        layers = self.num_layers * (self.attention_params() + norms * d) + self.ffn_params()
         head = 0 if self.tie_embeddings else self.embed_params()
         return self.embed_params() + layers + d + head
 
@@ -122,4 +148,5 @@ class ModelConfig:
     def from_json(cls, text: str) -> "ModelConfig":
         raw = json.loads(text)
         raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+        raw["window_layers"] = tuple(raw.get("window_layers", ()))  # a list in JSON
         return cls(**raw)

@@ -9,7 +9,7 @@ before its matmul.
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import NamedTuple
 
 import jax
@@ -19,7 +19,7 @@ import numpy as np
 from xlr_jax.kv.paged_kv import PagedKV, write_layer
 from xlr_jax.kv.pages import SCRATCH_PAGE
 from xlr_jax.model.config import ModelConfig, RopeScaling
-from xlr_jax.ops import cpu_kernels, cpu_linear, paged_attention, resolve_impl
+from xlr_jax.ops import cpu_kernels, cpu_linear, paged_attention, resolve_impl, soft_cap
 from xlr_jax.pytree import pytree_dataclass
 from xlr_jax.model.step_batch import StepBatch
 
@@ -43,6 +43,9 @@ class LayerParams:
     w_experts_gate_up: jax.Array | None = None  # [E, d, 2 * moe_ffn]
     w_experts_down: jax.Array | None = None     # [E, moe_ffn, d]
     w_shared_gate: jax.Array | None = None      # [1, d]
+    # Gemma's norms of the attention's and the MLP's outputs, before the residual adds
+    post_attn_norm: jax.Array | None = None     # [d]
+    post_mlp_norm: jax.Array | None = None      # [d]
 
 
 @pytree_dataclass
@@ -159,38 +162,65 @@ def decoder(params: Params, kv: PagedKV, tokens, positions, page_ids, offsets, a
     """The decoder over flat tokens [N] at `positions` [N]: each token's K/V goes to
     slot `offsets` of page `page_ids` (the scratch page for padding), and
     `attend(q [N, H, D], (k, v), scales, layer)` reads the pages (whatever layout the
-    caller's batch has). Returns the final hidden states [N, d] (after the final norm)
-    and the new KV. `products`: see `linear`."""
+    caller's batch has; `attention_options` says how for a layer). Returns the final
+    hidden states [N, d] (after the final norm) and the new KV. `products`: see
+    `linear`."""
     c = config
     lin = lambda x, w: linear(x, w, products)  # noqa: E731
-    cos, sin = rope_tables(positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+    tables = {}  # cos and sin per RoPE base: Gemma-3's windowed layers have their own
     x = params.embed[tokens]
+    if c.scale_embeddings:  # Gemma: by sqrt(hidden), rounded to the activations' dtype
+        x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
+    # the attention scales scores by head_dim ** -0.5; a model with another scale
+    # (Gemma's query_pre_attn_scalar ** -0.5) has its queries scaled by the ratio first
+    q_scale = None if c.query_pre_attn_scalar is None else (
+        c.head_dim / c.query_pre_attn_scalar) ** 0.5
     k_all, v_all, k_scale, v_scale = kv.k, kv.v, kv.k_scale, kv.v_scale
     for i, lp in enumerate(_layers(params.layers)):
+        base = c.rope_base(i)
+        if base not in tables:
+            tables[base] = rope_tables(positions, rope_inv_freq(c.head_dim, *base))
+        cos, sin = tables[base]
         h = rms_norm(x, lp.attn_norm, c.rms_norm_eps)
         qkv = lin(h, lp.wqkv)
         if lp.bqkv is not None:
             qkv = qkv + lp.bqkv
         q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
         q, k = q.reshape(-1, c.num_heads, c.head_dim), k.reshape(-1, c.num_kv_heads, c.head_dim)
-        if lp.q_norm is not None:  # per head, before RoPE (Qwen3)
+        if lp.q_norm is not None:  # per head, before RoPE (Qwen3, Gemma-3)
             q, k = rms_norm(q, lp.q_norm, c.rms_norm_eps), rms_norm(k, lp.k_norm, c.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if q_scale is not None:
+            q = q * jnp.asarray(q_scale, q.dtype)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
         k_all, k_scale = write_layer(k_all, k_scale, i, page_ids, offsets, k)
         v_all, v_scale = write_layer(v_all, v_scale, i, page_ids, offsets, v)
         attn = attend(q, (k_all, v_all), None if k_scale is None else (k_scale, v_scale), i)
-        x = x + lin(attn.reshape(-1, c.q_size), lp.wo)
+        x = x + _post_norm(lin(attn.reshape(-1, c.q_size), lp.wo), lp.post_attn_norm, c)
         h = rms_norm(x, lp.mlp_norm, c.rms_norm_eps)
-        x = x + (mixture(h, lp, c, lin) if lp.router is not None else mlp(h, lp, lin))
+        out = mixture(h, lp, c, lin) if lp.router is not None else mlp(h, lp, lin, c.hidden_act)
+        x = x + _post_norm(out, lp.post_mlp_norm, c)
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
     return x, PagedKV(k_all, v_all, k_scale, v_scale)
 
 
-def mlp(h, lp: LayerParams, lin):
-    """The gated MLP: down(silu(gate(h)) * up(h))."""
+def _post_norm(x, weight, c: ModelConfig):
+    return x if weight is None else rms_norm(x, weight, c.rms_norm_eps)
+
+
+def attention_options(config: ModelConfig, layer: int) -> dict:
+    """What `paged_attention` needs to know of `layer` beyond its pages: its sliding
+    window and the scores' soft cap."""
+    return dict(layer=layer, sliding_window=config.window(layer), softcap=config.attn_softcap)
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": partial(jax.nn.gelu, approximate=True)}
+
+
+def mlp(h, lp: LayerParams, lin, act: str = "silu"):
+    """The gated MLP: down(act(gate(h)) * up(h)) (`act`: an `ACTIVATIONS` name)."""
     gate, up = jnp.split(lin(h, lp.w_gate_up), 2, axis=-1)
-    return lin(jax.nn.silu(gate) * up, lp.w_down)
+    return lin(ACTIVATIONS[act](gate) * up, lp.w_down)
 
 
 def mixture(h, lp: LayerParams, c: ModelConfig, lin):
@@ -204,7 +234,7 @@ def mixture(h, lp: LayerParams, c: ModelConfig, lin):
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     out = jnp.sum(expert_outputs(h, chosen, lp) * weights.astype(h.dtype)[..., None], axis=1)
     if lp.w_gate_up is not None:
-        shared = mlp(h, lp, lin)
+        shared = mlp(h, lp, lin, c.hidden_act)
         if lp.w_shared_gate is not None:
             shared = jax.nn.sigmoid(lin(h, lp.w_shared_gate)) * shared
         out = out + shared
@@ -263,8 +293,8 @@ def forward(params: Params, kv: PagedKV, tokens, positions, valid, block_tables,
 
     def attend(q, kv_pages, kv_scales, layer):
         out = paged_attention(q.reshape(batch, q_len, *q.shape[1:]), kv_pages, block_tables,
-                              lengths, positions, layer=layer, kv_scales=kv_scales,
-                              sliding_window=c.sliding_window, impl=attn_impl)
+                              lengths, positions, kv_scales=kv_scales, impl=attn_impl,
+                              **attention_options(c, layer))
         return out.reshape(q.shape)
 
     hidden, kv = decoder(params, kv, tokens.reshape(-1), positions.reshape(-1),
@@ -296,7 +326,7 @@ def forward_step(params: Params, kv: PagedKV, batch: StepBatch, *, config: Model
     impl = resolve_impl(attn_impl)
 
     def attend(q, kv_pages, kv_scales, layer):
-        common = dict(layer=layer, kv_scales=kv_scales, sliding_window=c.sliding_window)
+        common = dict(kv_scales=kv_scales, **attention_options(c, layer))
         if impl == "pallas":  # one ragged call: a row per decode token, then the chunk
             lengths = jnp.concatenate([dec_lengths, (batch.chunk_start + batch.chunk_len)[None]])
             cu = jnp.concatenate([jnp.arange(dec + 1, dtype=jnp.int32),
@@ -323,7 +353,10 @@ def forward_step(params: Params, kv: PagedKV, batch: StepBatch, *, config: Model
     return hidden[last[:tables.shape[0]]], kv
 
 
-def lm_head(params: Params, hidden, products: RowProducts = RowProducts()):
-    """Logits in f32 for hidden states [..., d] (`products`: see `linear`)."""
+def lm_head(params: Params, hidden, config: ModelConfig,
+            products: RowProducts = RowProducts()):
+    """Logits in f32 for hidden states [..., d] (`products`: see `linear`), soft-capped
+    where the model caps them (Gemma-2: cap * tanh(logits / cap))."""
     w = params.embed if params.lm_head is None else params.lm_head
-    return linear(hidden, w, products, jnp.float32)
+    logits = linear(hidden, w, products, jnp.float32)
+    return logits if config.final_softcap is None else soft_cap(logits, config.final_softcap)

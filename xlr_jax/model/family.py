@@ -21,6 +21,7 @@ class LayerTensor:
     leaf: str
     hf: str
     gguf: str
+    norm: bool = False  # a norm's weight (takes the family's `norm_offset`)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,21 @@ class Family:
     layer_tensors: tuple[LayerTensor, ...] = ()
     experts: ExpertNames | None = None  # a mixture of experts in every layer
     norm_topk: bool = False  # the chosen experts' weights renormalized, where no key says
+    # the norm before the MLP in an HF checkpoint (after `model.layers.{i}.`)
+    mlp_norm_hf: str = "post_attention_layernorm.weight"
+    # Gemma: HF checkpoints keep a norm's weight w where the norm multiplies by 1 + w
+    # (added at load; llama.cpp adds it when it writes a GGUF)
+    norm_offset: float = 0.0
+    hidden_act: str = "silu"        # the MLP's activation where the config does not say
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden)
+    post_norms: bool = False        # norms after attention and the MLP (`layer_tensors`)
+    # without `layer_types` in its config, every `window_pattern`-th layer attends to the
+    # whole context and the others through the window (0: see `window_from_layer`)
+    window_pattern: int = 0
+    local_rope_theta: float | None = None  # the windowed layers' RoPE base by default
+    # llama.cpp scales queries by (hidden / heads) ** -0.5 for a model of this many
+    # layers (Gemma's 27B) and by head_dim ** -0.5 otherwise; its GGUFs do not say
+    gguf_width_scaled_layers: int = 0
 
     @property
     def gguf(self) -> str:
@@ -58,9 +74,9 @@ class Family:
 @lru_cache(maxsize=1)
 def families() -> dict[str, Family]:
     """Every family, by name."""
-    from xlr_jax.model.families import llama, mixtral, qwen2, qwen3, qwen_moe
+    from xlr_jax.model.families import gemma, llama, mixtral, qwen2, qwen3, qwen_moe
 
-    return {f.name: f for module in (llama, mixtral, qwen2, qwen3, qwen_moe)
+    return {f.name: f for module in (llama, mixtral, qwen2, qwen3, qwen_moe, gemma)
             for f in module.FAMILIES}
 
 

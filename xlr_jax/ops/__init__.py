@@ -6,6 +6,7 @@ on first use by `xlr_jax.ops.cpu_kernels`) are in `xlr_jax.ops.cpu_attention` (p
 attention) and `xlr_jax.ops.cpu_linear` (few-row weight products).
 """
 from xlr_jax.ops.paged_attention import (IMPLS, paged_attention, paged_attention_xla,
-                                         resolve_impl, walk_sizes)
+                                         resolve_impl, soft_cap, walk_sizes)
 
-__all__ = ["IMPLS", "paged_attention", "paged_attention_xla", "resolve_impl", "walk_sizes"]
+__all__ = ["IMPLS", "paged_attention", "paged_attention_xla", "resolve_impl", "soft_cap",
+           "walk_sizes"]

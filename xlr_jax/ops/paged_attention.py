@@ -14,14 +14,16 @@ Layouts (one layer):
   lengths      [batch] int32: tokens in the cache per sequence, new ones included
 
 A query at position p sees cache positions s with s <= p and s < length (and
-s > p - sliding_window when a window is set). Query heads are grouped per KV
+s > p - sliding_window when a window is set: the walks skip the pages before it).
+Scores are q.k / sqrt(head_dim), soft-capped as softcap * tanh(score / softcap) when a
+cap is set (Gemma-2). Query heads are grouped per KV
 head (GQA): head h reads KV head h // (num_heads // kv_heads). A query that sees
 no position (padding) returns zeros.
 
 impl: "xla" is the pure-JAX reference below; "pallas" the kernel in
 `pallas_attention` (interpret mode off the GPU); "cpu" the CPU's kernel in
 `cpu_attention` (an XLA custom call) for f32 pages in the padded form, the XLA path for
-the rest; "auto" is Pallas on GPU and XLA elsewhere (XLA:CPU runs the reference faster
+the rest (and for soft-capped scores); "auto" is Pallas on GPU and XLA elsewhere (XLA:CPU runs the reference faster
 than interpreted kernels; the plan picks "cpu" when its kernel builds).
 """
 from __future__ import annotations
@@ -45,9 +47,14 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
+def soft_cap(x, cap: float):
+    """cap * tanh(x / cap): x squashed into (-cap, cap), near x where |x| << cap."""
+    return cap * jnp.tanh(x / cap)
+
+
 def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
                     cu_q_lens=None, max_q_len=None, kv_scales=None, layer=None,
-                    sliding_window=None, impl="auto", pages_per_block=None):
+                    sliding_window=None, softcap=None, impl="auto", pages_per_block=None):
     """Causal GQA attention of `q` over each sequence's pages; returns q's shape.
 
     Padded form when `cu_q_lens` is None, ragged otherwise (see the module
@@ -61,7 +68,7 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
             raise ValueError("padded attention takes q [batch, q_len, heads, dim] and "
                              "q_positions [batch, q_len]; pass cu_q_lens for ragged q")
         if impl == "cpu":
-            if cpu_attention.supports(q.shape, kv_pages, kv_scales) \
+            if cpu_attention.supports(q.shape, kv_pages, kv_scales) and softcap is None \
                     and cpu_kernels.build_error() is None:
                 return cpu_attention.attention(q, kv_pages, block_tables, lengths, q_positions,
                                                layer=layer, sliding_window=sliding_window)
@@ -70,18 +77,18 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
             return paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions,
                                            pages_per_block=pages_per_block,
                                            kv_scales=kv_scales, layer=layer,
-                                           sliding_window=sliding_window)
+                                           sliding_window=sliding_window, softcap=softcap)
         if impl == "xla":
             return paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions,
                                        kv_scales=kv_scales, sliding_window=sliding_window,
-                                       layer=layer)
+                                       softcap=softcap, layer=layer)
         # the kernel takes ragged queries: each row's q_len tokens, back to back
         batch, q_len = q.shape[:2]
         out = paged_attention(q.reshape(batch * q_len, *q.shape[2:]), kv_pages, block_tables,
                               lengths, q_positions.reshape(-1),
                               cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32) * q_len,
                               max_q_len=q_len, kv_scales=kv_scales, layer=layer,
-                              sliding_window=sliding_window, impl=impl)
+                              sliding_window=sliding_window, softcap=softcap, impl=impl)
         return out.reshape(q.shape)
     impl = "xla" if impl == "cpu" else impl  # ragged q: the CPU kernel takes padded decode
     if q.ndim != 3 or cu_q_lens.shape != (block_tables.shape[0] + 1,):
@@ -97,7 +104,7 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
         # each token is a one-token query over its own sequence's pages
         out = paged_attention_xla(q[:, None], kv_pages, block_tables[seq], lengths[seq],
                                   q_positions[:, None], kv_scales=kv_scales,
-                                  sliding_window=sliding_window, layer=layer)
+                                  sliding_window=sliding_window, softcap=softcap, layer=layer)
         return out[:, 0]
     from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas  # see ops/__init__
 
@@ -105,7 +112,7 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
     return ragged_paged_attention_pallas(
         q, *kv_pages, block_tables, lengths, cu_q_lens, q_positions, ks, vs,
         max_q_len=max_q_len or q.shape[0], layer=layer, sliding_window=sliding_window,
-        interpret=jax.default_backend() != "gpu")
+        softcap=softcap, interpret=jax.default_backend() != "gpu")
 
 
 def gather_pages(pages, table, layer=None):
@@ -120,13 +127,16 @@ def gather_pages(pages, table, layer=None):
     return rows[ids].reshape(*table.shape, *page_shape)
 
 
-def _softmax_product(scores, visible, v, spec):
-    """Masked softmax of f32 `scores`, then the product with `v` (einsum `spec`).
+def _softmax_product(scores, visible, v, spec, softcap=None):
+    """Masked softmax of f32 `scores` (soft-capped first, with `softcap`), then the
+    product with `v` (einsum `spec`).
 
     The division comes after the product (fewer passes over the scores), and a
     row that sees nothing gives zeros, not NaN: NaN written to the shared scratch
     page would reach every sequence (0 * NaN).
     """
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
     scores = jnp.where(visible, scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
@@ -136,7 +146,7 @@ def _softmax_product(scores, visible, v, spec):
 
 
 def paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions, *,
-                        kv_scales=None, sliding_window=None, layer=None):
+                        kv_scales=None, sliding_window=None, softcap=None, layer=None):
     """Reference (padded q): gather the block table's pages, masked softmax in f32."""
     k_pages, v_pages = kv_pages
     batch, q_len, num_heads, head_dim = q.shape
@@ -172,7 +182,7 @@ def paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions, *,
         own = (jnp.arange(num_heads) // group)[:, None] == col_head  # [heads, cols]
         visible = visible_at(col_pos)[:, 0][:, None, :] & own[None]
         scores = jnp.einsum("bhd,bcd->bhc", q[:, 0], k, preferred_element_type=jnp.float32)
-        out = _softmax_product(scores, visible, v, "bhc,bcd->bhd")
+        out = _softmax_product(scores, visible, v, "bhc,bcd->bhd", softcap)
         return out[:, None].astype(out_dtype)
 
     # Prefill and multi-token steps: per-KV-head products over one run per sequence
@@ -182,7 +192,7 @@ def paged_attention_xla(q, kv_pages, block_tables, lengths, q_positions, *,
     qg = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
     scores = jnp.einsum("bkgtd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
     visible = visible_at(jnp.arange(span, dtype=jnp.int32))[:, None, None]
-    out = _softmax_product(scores, visible, v, "bkgts,bksd->bkgtd")
+    out = _softmax_product(scores, visible, v, "bkgts,bksd->bkgtd", softcap)
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, head_dim).astype(out_dtype)
 
 
@@ -206,7 +216,7 @@ def quarter_block(pages_per_block: int) -> int:
 
 def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
                             pages_per_block: int, kv_scales=None, sliding_window=None,
-                            layer=None):
+                            softcap=None, layer=None):
     """The XLA path whose cost follows the pages the queries can see (padded q).
 
     Walks the block tables with an online softmax in f32, from the first page any query
@@ -273,6 +283,8 @@ def paged_attention_blocked(q, kv_pages, block_tables, lengths, q_positions, *,
             scores = jnp.einsum("bkgtd,bksd->bkgts", qs, k, preferred_element_type=jnp.float32)
             seen = seen[:, None, None]
             axes = (-1,)
+        if softcap is not None:
+            scores = soft_cap(scores, softcap)
         if masked:
             scores = jnp.where(seen, scores, -jnp.inf)
         new_peak = jnp.maximum(peak, jnp.max(scores, axis=axes))

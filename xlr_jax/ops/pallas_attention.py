@@ -10,7 +10,7 @@ The query heads of a KV head (GQA group, padded to a power of two `gp`) and
 is read once for all of them. Pages are walked `pages_per_block` at a time
 through the block table with an online softmax in f32; only pages a row can
 see are read (up to the block's last position, from the sliding window's
-start). With `k_splits > 1` (flash-decoding) each split writes its partial
+start), their scores soft-capped where a cap is set. With `k_splits > 1` (flash-decoding) each split writes its partial
 output and log-sum-exp, merged afterwards in `_merge_splits`.
 
 Decode is the case of one query token per sequence; the multi-query case (q
@@ -48,7 +48,7 @@ def _pow2(n: int) -> int:
 
 
 def _kernel(cu_ref, len_ref, bt_ref, pos_ref, q_ref, k_ref, v_ref, *rest,
-            gp, block_q, pages_per_block, k_splits, sliding_window, quantized):
+            gp, block_q, pages_per_block, k_splits, sliding_window, softcap, quantized):
     if quantized:
         ks_ref, vs_ref, o_ref, lse_ref = rest
     else:
@@ -90,6 +90,8 @@ def _kernel(cu_ref, len_ref, bt_ref, pos_ref, q_ref, k_ref, v_ref, *rest,
                 s = s * ks_ref[pages].reshape(1, span)
             else:
                 s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32)
+            if softcap is not None:
+                s = softcap * jnp.tanh(s / softcap)
             kv_pos = p0 * page_size + jnp.arange(span, dtype=jnp.int32)
             seen = (kv_pos[None, :] <= pos[:, None]) & (kv_pos[None, :] < length)
             if sliding_window is not None:
@@ -134,11 +136,12 @@ def default_splits(batch: int, kv_heads: int, q_blocks: int, pages: int,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "max_q_len", "layer", "sliding_window", "pages_per_block", "k_splits", "interpret"))
+    "max_q_len", "layer", "sliding_window", "softcap", "pages_per_block", "k_splits",
+    "interpret"))
 def ragged_paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, cu_q_lens,
                                   q_positions, k_scales=None, v_scales=None, *,
                                   max_q_len: int, layer: int | None = None, sliding_window=None,
-                                  pages_per_block: int | None = None,
+                                  softcap=None, pages_per_block: int | None = None,
                                   k_splits: int | None = None, interpret: bool = False):
     """Attention of ragged queries q [T, H, D] over paged KV; returns [T, H, D].
 
@@ -191,7 +194,8 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, cu
     out_dtype = jnp.float32 if k_splits > 1 else q.dtype
     kernel = functools.partial(_kernel, gp=gp, block_q=block_q,
                                pages_per_block=pages_per_block, k_splits=k_splits,
-                               sliding_window=sliding_window, quantized=quantized)
+                               sliding_window=sliding_window, softcap=softcap,
+                               quantized=quantized)
     out, lse = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, q_blocks, k_splits),

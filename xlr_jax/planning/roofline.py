@@ -7,9 +7,11 @@ context), `estimate` counts:
 - FLOPs: 2 per multiply-add of every weight a token passes through (attention
   projections, the FFN or the routed + shared experts, the router, the LM
   head), plus attention scores and the weighted sum over the cached
-  positions (causal in prefill: position i sees i + 1 positions);
+  positions (causal in prefill: position i sees i + 1 positions, or a windowed
+  layer's window at most);
 - bytes: every weight read once per step (for MoE, the experts the batch's
-  tokens are expected to touch), KV read over the context and KV written for
+  tokens are expected to touch), KV read over the context (a windowed layer's
+  over its window) and KV written for
   the new tokens. Activations are assumed to stay on chip (not counted); the
   input embedding is gathered, not read whole.
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.config import ModelConfig, RopeScaling
 from xlr_jax.planning.hardware import HardwareProfile
 
 
@@ -38,9 +40,24 @@ def weight_bytes_read(c: ModelConfig, tokens: int, weight_bytes: float) -> float
 
 
 def attention_flops(c: ModelConfig, queries: int, positions: float) -> float:
-    """Scores + weighted sum for `queries` tokens that each see `positions` positions."""
+    """Scores + weighted sum for `queries` sequences whose queries see `positions`
+    positions in all, summed over the layers (`prefill_positions`, `decode_positions`)."""
     width = c.kv_latent_dim or c.head_dim  # MLA: absorbed, in the latent space
-    return 4.0 * c.num_layers * c.num_heads * width * queries * positions
+    return 4.0 * c.num_heads * width * queries * positions
+
+
+def prefill_positions(c: ModelConfig, tokens: int) -> float:
+    """Positions a prompt of `tokens` causal queries sees, summed over the layers: query
+    i sees i + 1, or a windowed layer's window at most."""
+    def causal(w: int) -> float:
+        return w * (w + 1) / 2 + (tokens - w) * w
+    return sum(causal(min(c.window(i) or tokens, tokens)) for i in range(c.num_layers))
+
+
+def decode_positions(c: ModelConfig, context: int) -> int:
+    """Positions one decode query at `context` reads, summed over the layers: a windowed
+    layer reads its window only."""
+    return sum(min(c.window(i) or context, context) for i in range(c.num_layers))
 
 
 def _preset(vocab, d, layers, heads, kv_heads, ffn, **extra) -> ModelConfig:
@@ -62,6 +79,20 @@ PRESETS: dict[str, ModelConfig] = {
                                  40960, False, qk_norm=True, num_experts=128,
                                  experts_per_token=8, moe_intermediate_size=768,
                                  norm_topk_prob=True),
+    # Gemma-2-9B: windows of 4,096 on every other layer, 256-dim heads
+    "gemma-2-9b": ModelConfig("gemma2", 256000, 3584, 42, 16, 8, 256, 14336, 1e-6, 10000.0,
+                              8192, True, sliding_window=4096,
+                              window_layers=tuple(range(0, 42, 2)),
+                              hidden_act="gelu_tanh", scale_embeddings=True,
+                              query_pre_attn_scalar=256.0, post_norms=True, attn_softcap=50.0,
+                              final_softcap=30.0),
+    # Gemma-3-27B (its text model): windows of 1,024 on five layers of every six
+    "gemma-3-27b": ModelConfig("gemma3_text", 262208, 5376, 62, 32, 16, 128, 21504, 1e-6, 1e6,
+                               131072, True, qk_norm=True, sliding_window=1024,
+                               window_layers=tuple(i for i in range(62) if (i + 1) % 6),
+                               rope_scaling=RopeScaling("linear", 8.0), rope_local_theta=10000.0,
+                               hidden_act="gelu_tanh", scale_embeddings=True,
+                               query_pre_attn_scalar=168.0, post_norms=True),
     # DeepSeek-V3-like: MLA latents (512 + 64 rope dims cached), 3 dense layers, 256 routed
     # experts (top 8) and one shared expert per MoE layer
     "deepseek-v3-like": _preset(129280, 7168, 61, 128, 128, 18432, architecture="deepseek_v3",
@@ -91,10 +122,11 @@ def estimate(c: ModelConfig, hw: HardwareProfile, *, prompt: int, batch: int = 1
     tokens = batch * prompt
     # prefill: the LM head only for each sequence's last token
     pre_flops = (2.0 * tokens * (matmul - lm_head) + 2.0 * batch * lm_head
-                 + attention_flops(c, batch, prompt * (prompt + 1) / 2))
+                 + attention_flops(c, batch, prefill_positions(c, prompt)))
     pre_bytes = weight_bytes_read(c, tokens, weight_bytes) + tokens * kv_token
-    dec_flops = 2.0 * batch * matmul + attention_flops(c, batch, context + 1)
-    dec_bytes = weight_bytes_read(c, batch, weight_bytes) + batch * (context + 1) * kv_token
+    seen = decode_positions(c, context + 1)  # a windowed layer reads its window only
+    dec_flops = 2.0 * batch * matmul + attention_flops(c, batch, seen)
+    dec_bytes = weight_bytes_read(c, batch, weight_bytes) + batch * seen * kv_token / c.num_layers
     pre, dec = phase(pre_flops, pre_bytes, hw), phase(dec_flops, dec_bytes, hw)
     return {
         "model": name, "hardware": hw.device_name, "prompt_tokens": prompt,
