@@ -39,7 +39,7 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                kv_dtype: str | None = None, hardware: HardwareProfile | None = None,
                prefix_cache: bool = True, cache_dir: str | os.PathLike | None = None,
                params_cache: bool = True, compile_cache: bool = True,
-               compiler_options: dict | None = None,
+               compiler_options: dict | None = None, weights: str | None = None,
                prefix_disk_quota: int = DEFAULT_QUOTA) -> "Model":
     """Load a model: "smollm2" (embedded), a .gguf file, a Hugging Face directory, or a
     source `xlr_jax.loading.weights.open_source` opened (with the same cache_dir).
@@ -48,6 +48,9 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     probed hardware (`hardware`, default `xlr_jax.probe()`); `model.plan` says
     what it chose and why. Overrides that cannot fit raise PlanError.
     dtype: compute/weight dtype ("float32" or "bfloat16").
+    weights: the weight matrices' format: "float" (in dtype), "native" (a GGUF's Q4_0,
+    Q4_1 and Q8_0 matrices kept as they are), "int8" or "int4" (quantized at load, in
+    groups of 32); default: the plan's (`model.plan.reasons["weights"]` says why).
     page_size, num_pages: the KV page pool.
     max_batch: sequences decoded together; prefill_chunk: tokens per prefill call.
     max_waiting: requests queued beyond the running batch before `submit` raises
@@ -97,11 +100,12 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                              max_step_tokens=max_step_tokens),
                     dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, num_pages=num_pages,
                     attn_impl=attn_impl, linear_impl=linear_impl,
-                    compiler_options=compiler_options)
+                    compiler_options=compiler_options, weights=weights)
 
     execution = make_plan()
     compute = jnp.dtype(execution.compute_dtype)
-    loaded = load_weights(source, dtype=np.dtype(compute), cache_dir=cache)
+    loaded = load_weights(source, dtype=np.dtype(compute), cache_dir=cache,
+                          weights=execution.weights)
     # what is left of a kernel build, at most a while (see cpu_kernels); the plan then
     # takes the kernels it may use, before anything is compiled (its dtypes stay)
     if (kernels and "cpu" not in (execution.attn_impl, execution.linear_impl)

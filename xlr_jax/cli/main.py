@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from xlr_jax.errors import XlrError
+from xlr_jax.model.quantized import WEIGHTS
 from xlr_jax.ops import IMPLS
 from xlr_jax.planning.mapper import LINEAR_IMPLS
 
@@ -19,6 +20,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="'smollm2' (embedded), a .gguf file or a Hugging Face directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weight/compute dtype (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--weights", choices=WEIGHTS, default=None,
+                   help="weight matrices: float (in --dtype), native (a GGUF's Q4_0/Q4_1/Q8_0 "
+                        "kept quantized), int8 or int4 (quantized at load); default: the plan's")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8", "fp8"], default=None,
                    help="KV page dtype (default: --dtype); int8/fp8 are quantized per token and head")
     p.add_argument("--attn-impl", choices=IMPLS, default="auto",
@@ -56,7 +60,8 @@ def _load(args, source=None, **options):
 
     gc.freeze()  # JAX's modules live as long as the process: keep them out of every collection
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    model = load_model(source or args.model, dtype=args.dtype, kv_dtype=args.kv_dtype,
+    model = load_model(source or args.model, dtype=args.dtype, weights=args.weights,
+                       kv_dtype=args.kv_dtype,
                        attn_impl=args.attn_impl, linear_impl=args.linear_impl,
                        cache_dir=args.cache_dir,
                        prefix_cache=not args.no_prefix_cache, **options)

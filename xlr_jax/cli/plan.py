@@ -35,7 +35,8 @@ def _plan_for(args):
     from xlr_jax import load_model, plan
     from xlr_jax.planning.mapper import Workload
 
-    options = dict(dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
+    options = dict(dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
+                   page_size=args.page_size,
                    num_pages=args.num_pages, attn_impl=args.attn_impl,
                    linear_impl=args.linear_impl)
     workload = dict(max_context=args.max_context, max_batch=args.max_batch,

@@ -101,6 +101,9 @@ class GGUFFile:
                 kind: GGMLQuantizationType, offset: int) -> GGUFTensor:
         block, block_bytes = GGML_QUANT_SIZES[kind]
         dims = tuple(reversed(shape))
+        if dims and dims[-1] % block:
+            raise ValueError(f"tensor {name!r} has rows of {dims[-1]} values, not a whole "
+                             f"number of {kind.name}'s {block}-value blocks")
         n_bytes = int(np.prod(shape)) * block_bytes // block
         begin = start + offset
         if begin + n_bytes > buffer.size:

@@ -27,6 +27,7 @@ from xlr_jax.errors import ModelLoadError, UnsupportedModelError
 from xlr_jax.loading.disk_cache import atomic_entry, file_digest, load_arrays, save_arrays
 from xlr_jax.loading.tokenizer import Tokenizer
 from xlr_jax.model.config import ModelConfig, RopeScaling
+from xlr_jax.model import quantized
 from xlr_jax.model.family import Family, family, gguf_family
 
 log = logging.getLogger(__name__)
@@ -58,20 +59,28 @@ class LoadedWeights:
 
 # ---------------------------------------------------------------- helpers
 
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # the layer leaves a format applies to
+
+
 def _stack_layers(per_layer: list[dict]) -> dict:
-    return {name: np.stack([layer[name] for layer in per_layer]) for name in per_layer[0]}
+    def stack(parts):
+        if isinstance(parts[0], dict):  # a quantized weight: each of its arrays
+            return {k: np.stack([p[k] for p in parts]) for k in parts[0]}
+        return np.stack(parts)
+    return {name: stack([layer[name] for layer in per_layer]) for name in per_layer[0]}
 
 
-def _layer_dict(q, k, v, o, attn_norm, mlp_norm, ffn, biases, extra, dtype):
+def _layer_dict(q, k, v, o, attn_norm, mlp_norm, ffn, biases, extra, dtype, weights):
     """One layer's leaves (`LayerParams`); `ffn`: its MLP's and experts' (`_ffn`);
-    `extra`: its family's own, by leaf."""
+    `extra`: its family's own, by leaf; its matrices in the format `weights` asks."""
     out = {
         "attn_norm": attn_norm, "mlp_norm": mlp_norm,
-        "wqkv": np.concatenate([q, k, v], axis=0), "wo": o, **ffn, **extra,
+        "wqkv": quantized.join_rows([q, k, v]), "wo": o, **ffn, **extra,
     }
     if biases is not None:
         out["bqkv"] = np.concatenate(biases)
-    return {name: np.asarray(a, dtype=dtype) for name, a in out.items()}
+    return {name: quantized.as_weight(a, weights, dtype) if name in MATRICES
+            else np.asarray(a, dtype=dtype) for name, a in out.items()}
 
 
 def _ffn(mlp, experts=None, shared_gate=None) -> dict:
@@ -82,7 +91,7 @@ def _ffn(mlp, experts=None, shared_gate=None) -> dict:
     out = {}
     if mlp is not None:
         gate, up, down = mlp
-        out.update(w_gate_up=np.concatenate([gate, up], axis=0), w_down=down)
+        out.update(w_gate_up=quantized.join_rows([gate, up]), w_down=down)
     if experts is not None:
         router, gate, up, down = experts
         out.update(router=router,
@@ -186,7 +195,7 @@ def _gguf_tokenizer(reader, path: Path) -> Tokenizer:
         raise ModelLoadError(f"cannot read the tokenizer of {path}: {e}") from e
 
 
-def _load_gguf(source: ModelSource, dtype) -> dict:
+def _load_gguf(source: ModelSource, dtype, weights: str) -> dict:
     import gguf
 
     path, config = source.path, source.config
@@ -197,37 +206,41 @@ def _load_gguf(source: ModelSource, dtype) -> dict:
 
     used = set()
 
-    def get(name):
+    def get(name, matrix=False):
+        """The tensor as f32, or a matrix of a type kept quantized as it is (`native`)."""
         used.add(name)
         t = by_name.get(name)
         if t is None:
             raise ModelLoadError(f"GGUF file {path} lacks tensor {name!r}; the file is "
                                  "incomplete or not a supported model")
-        data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         bar.update()
-        return data.reshape([int(n) for n in reversed(t.shape)])
+        shape = [int(n) for n in reversed(t.shape)]
+        if matrix and weights == "native" and t.tensor_type.name in quantized.GGUF_KEPT:
+            return quantized.from_gguf_blocks(t.tensor_type.name, t.data, tuple(shape))
+        data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        return data.reshape(shape)
 
     fam = family(config.architecture)
     layers = []
     for i in range(config.num_layers):
         b = f"blk.{i}."
-        q, k = get(b + "attn_q.weight"), get(b + "attn_k.weight")
+        q, k = get(b + "attn_q.weight", True), get(b + "attn_k.weight", True)
         if fam.gguf_permuted_qk:
-            q = _unpermute_rows(q, config.num_heads)
-            k = _unpermute_rows(k, config.num_kv_heads)
+            q = quantized.map_rows(lambda w: _unpermute_rows(w, config.num_heads), q)
+            k = quantized.map_rows(lambda w: _unpermute_rows(w, config.num_kv_heads), k)
         biases = None
         if config.qkv_bias:
             biases = [get(b + f"attn_{n}.bias") for n in "qkv"]
         layers.append(_layer_dict(
-            q, k, get(b + "attn_v.weight"), get(b + "attn_output.weight"),
+            q, k, get(b + "attn_v.weight", True), get(b + "attn_output.weight", True),
             get(b + "attn_norm.weight"), get(b + "ffn_norm.weight"),
             _gguf_ffn(get, b, config), biases,
-            {t.leaf: get(b + t.gguf) for t in fam.layer_tensors}, dtype))
-    params = {"embed": get("token_embd.weight").astype(dtype),
+            {t.leaf: get(b + t.gguf) for t in fam.layer_tensors}, dtype, weights))
+    params = {"embed": quantized.as_weight(get("token_embd.weight", True), weights, dtype),
               "layers": _stack_layers(layers),
               "final_norm": get("output_norm.weight").astype(dtype)}
     if not config.tie_embeddings:
-        params["lm_head"] = get("output.weight").astype(dtype)
+        params["lm_head"] = quantized.as_weight(get("output.weight", True), weights, dtype)
     bar.close()
     _check_all_used(by_name, used, path)
     return params
@@ -237,7 +250,7 @@ def _gguf_ffn(get, b: str, config: ModelConfig) -> dict:
     """A layer's FFN from llama.cpp's names: the MLP, or the experts stacked
     (`ffn_*_exps`, the router `ffn_gate_inp`) with a shared expert (`ffn_*_shexp`)."""
     if not config.num_experts:
-        return _ffn([get(b + f"ffn_{n}.weight") for n in ("gate", "up", "down")])
+        return _ffn([get(b + f"ffn_{n}.weight", True) for n in ("gate", "up", "down")])
     shared = None
     if config.shared_width:
         shared = [get(b + f"ffn_{n}_shexp.weight") for n in ("gate", "up", "down")]
@@ -362,7 +375,7 @@ def _read_hf_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e!r}") from e
 
 
-def _load_hf(source: ModelSource, dtype) -> dict:
+def _load_hf(source: ModelSource, dtype, weights: str) -> dict:
     from safetensors import safe_open
 
     path, config = source.path, source.config
@@ -400,12 +413,13 @@ def _load_hf(source: ModelSource, dtype) -> dict:
             get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight"),
             get(a + "o_proj.weight"), norm(b + "input_layernorm.weight"),
             norm(b + fam.mlp_norm_hf), _hf_ffn(get, tensors, b, fam, config), biases,
-            {t.leaf: (norm if t.norm else get)(b + t.hf) for t in fam.layer_tensors}, dtype))
-    params = {"embed": get("model.embed_tokens.weight").astype(dtype),
+            {t.leaf: (norm if t.norm else get)(b + t.hf) for t in fam.layer_tensors}, dtype,
+            weights))
+    params = {"embed": quantized.as_weight(get("model.embed_tokens.weight"), weights, dtype),
               "layers": _stack_layers(layers),
               "final_norm": norm("model.norm.weight").astype(dtype)}
     if not config.tie_embeddings:
-        params["lm_head"] = get("lm_head.weight").astype(dtype)
+        params["lm_head"] = quantized.as_weight(get("lm_head.weight"), weights, dtype)
     _check_all_used(tensors, used, path)
     return params
 
@@ -507,13 +521,23 @@ def _read_source_entry(entry: Path, digest: str) -> tuple[ModelConfig, Tokenizer
 
 
 def load_weights(source: ModelSource | str | os.PathLike, dtype=np.float32,
-                 cache_dir=None) -> LoadedWeights:
+                 cache_dir=None, weights: str = "float") -> LoadedWeights:
     """Load a GGUF file or HF directory (a path, or a source `open_source` opened); with
-    `cache_dir`, use or refresh the params cache (cached params are read-only memory maps)."""
+    `cache_dir`, use or refresh the params cache (cached params are read-only memory maps).
+
+    weights: the format of the weight matrices (attention, MLP, embedding, LM head):
+    "float" (in `dtype`), "native" (a GGUF's Q4_0, Q4_1 and Q8_0 matrices kept as they
+    are, the rest in `dtype`), "int8" or "int4" (quantized at load; `model.quantized`).
+    Norms, biases, routers and experts stay in `dtype`."""
+    if weights not in quantized.WEIGHTS:
+        raise ValueError(f"unknown weights {weights!r}; choose one of "
+                         f"{', '.join(quantized.WEIGHTS)}")
     start = time.perf_counter()
     if not isinstance(source, ModelSource):
         source = open_source(source, cache_dir)
     key = f"{source.digest}-{np.dtype(dtype).name}-v{CONVERTER_VERSION}"
+    if weights != "float":
+        key += f"-{weights}"
     entry = Path(cache_dir, "params", key) if cache_dir else None
     if entry is not None and entry.exists():
         try:
@@ -522,7 +546,7 @@ def load_weights(source: ModelSource | str | os.PathLike, dtype=np.float32,
         except Exception as e:  # a damaged cache entry is rebuilt, never trusted
             log.warning("params cache %s unreadable (%s); converting again", entry, e)
             shutil.rmtree(entry, ignore_errors=True)
-    params = (_load_hf if source.path.is_dir() else _load_gguf)(source, dtype)
+    params = (_load_hf if source.path.is_dir() else _load_gguf)(source, dtype, weights)
     if entry is not None:
         with atomic_entry(entry) as tmp:
             save_arrays(tmp, params)

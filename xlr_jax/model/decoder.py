@@ -19,6 +19,7 @@ import numpy as np
 from xlr_jax.kv.paged_kv import PagedKV, write_layer
 from xlr_jax.kv.pages import SCRATCH_PAGE
 from xlr_jax.model.config import ModelConfig, RopeScaling
+from xlr_jax.model.quantized import QuantizedTensor
 from xlr_jax.ops import cpu_kernels, cpu_linear, paged_attention, resolve_impl, soft_cap
 from xlr_jax.pytree import pytree_dataclass
 from xlr_jax.model.step_batch import StepBatch
@@ -26,7 +27,8 @@ from xlr_jax.model.step_batch import StepBatch
 
 @pytree_dataclass
 class LayerParams:
-    """One layer's weights, or every layer's stacked on a leading [L] axis."""
+    """One layer's weights, or every layer's stacked on a leading [L] axis. The four
+    matrices (wqkv, wo, w_gate_up, w_down) may be `QuantizedTensor`s."""
 
     attn_norm: jax.Array   # [d]
     wqkv: jax.Array        # [q + 2kv, d]
@@ -50,10 +52,10 @@ class LayerParams:
 
 @pytree_dataclass
 class Params:
-    embed: jax.Array            # [vocab, d]
+    embed: jax.Array | QuantizedTensor  # [vocab, d]
     layers: LayerParams | tuple[LayerParams, ...]  # stacked on axis 0, or one per layer
     final_norm: jax.Array       # [d]
-    lm_head: jax.Array | None   # [vocab, d], None when tied to embed
+    lm_head: jax.Array | QuantizedTensor | None  # [vocab, d], None when tied to embed
 
     def nbytes(self) -> int:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self))
@@ -81,9 +83,15 @@ def params_from_arrays(arrays: dict, dtype=jnp.float32) -> Params:
     view (a memory-mapped params cache) is not even copied: the params use its pages.
     """
     dtype = np.dtype(dtype)
-    put = lambda a: jax.device_put(np.asarray(a, dtype))  # noqa: E731
+
+    def put(a, i=None):
+        if isinstance(a, dict):  # a weight kept quantized: its arrays as they are
+            return QuantizedTensor(**{"minimums": None, **{
+                k: jax.device_put(np.asarray(v if i is None else v[i])) for k, v in a.items()}})
+        return jax.device_put(np.asarray(a if i is None else a[i], dtype))
+
     stacked = arrays["layers"]
-    layers = tuple(LayerParams(**{"bqkv": None, **{k: put(v[i]) for k, v in stacked.items()}})
+    layers = tuple(LayerParams(**{"bqkv": None, **{k: put(v, i) for k, v in stacked.items()}})
                    for i in range(len(stacked["attn_norm"])))
     head = arrays.get("lm_head")
     return Params(embed=put(arrays["embed"]), layers=layers,
@@ -137,7 +145,11 @@ class RowProducts(NamedTuple):
 
 def linear(x, w, products: RowProducts = RowProducts(), out_dtype=None):
     """x [..., d] @ w.T for w [out, d], in `out_dtype` (default x's): a dot, or for a
-    few rows the CPU kernel or a multiply-sum (see RowProducts)."""
+    few rows the CPU kernel or a multiply-sum (see RowProducts). A quantized w
+    (`QuantizedTensor`) is dequantized in x's dtype for the dot."""
+    if isinstance(w, QuantizedTensor):
+        return jnp.einsum("...d,od->...o", x, w.dequantize(x.dtype),
+                          preferred_element_type=out_dtype)
     rows = int(np.prod(x.shape[:-1]))
     if (2 <= rows <= products.kernel_rows and cpu_linear.supports(x, w)
             and cpu_kernels.build_error() is None):
@@ -168,7 +180,7 @@ def decoder(params: Params, kv: PagedKV, tokens, positions, page_ids, offsets, a
     c = config
     lin = lambda x, w: linear(x, w, products)  # noqa: E731
     tables = {}  # cos and sin per RoPE base: Gemma-3's windowed layers have their own
-    x = params.embed[tokens]
+    x = embed(params, tokens)
     if c.scale_embeddings:  # Gemma: by sqrt(hidden), rounded to the activations' dtype
         x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
     # the attention scales scores by head_dim ** -0.5; a model with another scale
@@ -202,6 +214,14 @@ def decoder(params: Params, kv: PagedKV, tokens, positions, page_ids, offsets, a
         x = x + _post_norm(out, lp.post_mlp_norm, c)
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
     return x, PagedKV(k_all, v_all, k_scale, v_scale)
+
+
+def embed(params: Params, tokens):
+    """The embedding's rows for `tokens`, in the activations' dtype (the final norm's):
+    a quantized table dequantizes only the rows it gathers."""
+    if isinstance(params.embed, QuantizedTensor):
+        return params.embed.rows(tokens, params.final_norm.dtype)
+    return params.embed[tokens]
 
 
 def _post_norm(x, weight, c: ModelConfig):

@@ -16,10 +16,11 @@ from xlr_jax.kv.pages import pages_for
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.planning.hardware import HardwareProfile
 from xlr_jax.planning.mapper import (PAGE_SIZE, PREFILL_CHUNK, Workload, attention_for,
-                                     memory_budget, plan)
+                                     memory_budget, plan, weight_bytes)
 
-# weight formats the runtime runs today (the quantized ones come with their kernels)
-WEIGHT_FORMATS = ("float32", "bfloat16")
+# weight formats the runtime runs: float, or matrices quantized at load (model.quantized;
+# experts, norms and biases in the compute dtype: bf16 on a GPU, f32 on a CPU)
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")
 KV_FORMATS = ("float32", "bfloat16", "int8", "float8_e4m3fn")
 MAX_BATCH = 4096  # the search's ceiling
 
@@ -29,12 +30,16 @@ def fit_row(hw: HardwareProfile, config: ModelConfig, weights: str, kv: str,
     """One format pair: its bytes, and what fits (`fits` False with `why` if nothing)."""
     ps, chunk = PAGE_SIZE[hw.backend], PREFILL_CHUNK[hw.backend]
     impl = attention_for(hw, config, kv, ps)[0]
+    quantized = weights in ("int8", "int4")
+    compute = ("bfloat16" if hw.backend == "gpu" else "float32") if quantized else weights
+    fmt = weights if quantized else "float"
     row = {"weights": weights, "kv": kv,
-           "weight_bytes": config.num_params() * jnp.dtype(weights).itemsize,
+           "weight_bytes": int(weight_bytes(config, compute, fmt)),
            "kv_bytes_per_token": config.kv_bytes_per_token(jnp.dtype(kv).itemsize)}
 
     def pages_left(batch: int) -> int:
-        return memory_budget(hw, config, weights, kv, ps, batch, chunk, context, impl).kv_pages
+        return memory_budget(hw, config, compute, kv, ps, batch, chunk, context, impl,
+                             fmt).kv_pages
 
     try:
         one = pages_left(1)
@@ -58,7 +63,8 @@ def fit(hw: HardwareProfile, config: ModelConfig, context: int | None = None) ->
     rows = [fit_row(hw, config, w, kv, context) for w in WEIGHT_FORMATS for kv in KV_FORMATS]
     try:
         p = plan(hw, config, Workload(max_context=context))
-        pick = {"weights": p.compute_dtype, "kv": p.kv_dtype, "max_context": p.max_context,
+        pick = {"weights": p.compute_dtype if p.weights == "float" else p.weights,
+                "kv": p.kv_dtype, "max_context": p.max_context,
                 "max_batch": p.max_batch, "num_pages": p.num_pages,
                 "why": f"{p.reasons['compute_dtype']}; KV: {p.reasons['kv_dtype']}"}
     except PlanError as e:

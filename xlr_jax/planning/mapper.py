@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from xlr_jax.errors import PlanError
 from xlr_jax.kv.paged_kv import is_quantized
 from xlr_jax.kv.pages import pages_for
+from xlr_jax.model import quantized
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.ops import IMPLS, cpu_attention, cpu_kernels, cpu_linear, walk_sizes
 from xlr_jax.planning.buckets import ATTN_BLOCK_PAGES, REDUCE_ROWS, Buckets, buckets_for
@@ -97,6 +98,7 @@ class ExecutionPlan:
     backend: str
     device_name: str
     compute_dtype: str
+    weights: str                   # the weight matrices' format (loading.weights.WEIGHTS)
     kv_dtype: str
     page_size: int
     num_pages: int
@@ -235,7 +237,7 @@ def _cpu_linear(compute: str) -> tuple[str, str]:
 def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Workload(),
          *, dtype: str | None = None, kv_dtype: str | None = None, page_size: int | None = None,
          num_pages: int | None = None, attn_impl: str = "auto", linear_impl: str = "auto",
-         compiler_options: dict | None = None) -> ExecutionPlan:
+         compiler_options: dict | None = None, weights: str | None = None) -> ExecutionPlan:
     """The Execution Plan for `config` on `hardware`; keyword arguments override choices."""
     gpu = hardware.backend == "gpu"
     why: dict[str, str] = {}
@@ -251,6 +253,13 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                      "GPU: bf16 halves weight bytes and runs on tensor cores" if gpu else
                      "CPU: XLA:CPU runs bf16/int8 matrix-vector 10-30x slower than f32 (measured)")
     compute = _named(compute, DTYPE_NAMES, "dtype")
+    formats = choose("weights", weights, "float",
+                     "quantized weights are dequantized whole for each product (XLA) until "
+                     "their fused products land: float is faster; opt in with weights= to "
+                     "save memory")
+    if formats not in quantized.WEIGHTS:
+        raise PlanError(f"weights {formats!r} is not supported; choose one of "
+                        f"{', '.join(quantized.WEIGHTS)}")
     kv = _named(choose("kv_dtype", kv_dtype, compute, "same as compute; int8/fp8 halve KV "
                        "bytes at a small accuracy cost (opt in with kv_dtype)"),
                 KV_DTYPE_NAMES, "kv_dtype")
@@ -324,7 +333,8 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                      + (f": {hardware.memory_source}" if hardware.memory_source else ""))
     per_context = pages_for(context, ps)
     while True:
-        memory = memory_budget(hardware, config, compute, kv, ps, batch, chunk, context, impl)
+        memory = memory_budget(hardware, config, compute, kv, ps, batch, chunk, context, impl,
+                               formats)
         fits = memory.kv_pages
         if fits >= per_context or workload.max_batch is not None or batch <= 8:
             break
@@ -394,7 +404,7 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                           if workload.draft is None else f"draft {workload.draft}")
     return ExecutionPlan(
         backend=hardware.backend, device_name=hardware.device_name, compute_dtype=compute,
-        kv_dtype=kv, page_size=ps, num_pages=pages, max_context=context, max_batch=batch,
+        weights=formats, kv_dtype=kv, page_size=ps, num_pages=pages, max_context=context, max_batch=batch,
         prefill_chunk=chunk, max_step_tokens=step_tokens, step_cost_tokens=step_cost,
         max_waiting=waiting, max_preemptions=MAX_PREEMPTIONS,
         max_pinned_share=MAX_PINNED_SHARE, batch_buckets=buckets.batch,
@@ -419,16 +429,29 @@ def attention_for(hw: HardwareProfile, config: ModelConfig, kv: str, ps: int) ->
     return _cpu_impl(config, kv, ps)
 
 
+def weight_bytes(config: ModelConfig, compute: str, weights: str = "float") -> float:
+    """The weights' bytes: in `compute`, or with the matrices in format `weights` (the
+    experts, norms and biases stay in `compute`; "native" counts as `compute`, a bound:
+    the file's own formats are not in the config)."""
+    whole = config.num_params() * _itemsize(compute)
+    if weights not in quantized.FORMATS:
+        return whole
+    experts = config.moe_layers * config.num_experts * config.expert_params()
+    return ((config.num_params() - experts) * quantized.BYTES_PER_VALUE[weights]
+            + experts * _itemsize(compute))
+
+
 def memory_budget(hw: HardwareProfile, config: ModelConfig, compute: str, kv: str, ps: int,
-                  batch: int, chunk: int, context: int, impl: str) -> MemoryBudget:
-    """Where a device's free memory goes: weights in `compute`, one prefill step's
+                  batch: int, chunk: int, context: int, impl: str,
+                  weights: str = "float") -> MemoryBudget:
+    """Where a device's free memory goes: the weights (`weight_bytes`), one prefill step's
     activations, a reserve, and the KV pages' budget (the rest). Refused (PlanError)
     when the weights do not fit."""
     device = hw.memory_free_bytes
     # GPU: keep 10% for the runtime and fragmentation; CPU: half the free RAM (the OS,
     # the Python heap and converted-weight copies live there too)
     usable = int(device * (0.9 if hw.backend == "gpu" else 0.5))
-    weights = config.num_params() * _itemsize(compute)
+    weights = int(weight_bytes(config, compute, weights))
     act = activation_bytes(config, batch, chunk, context, compute, dense_scores=impl == "xla")
     reserve = int(1 * GB) if hw.backend == "gpu" else int(0.5 * GB)
     if weights + reserve > usable:
