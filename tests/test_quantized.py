@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -93,6 +94,45 @@ def test_a_quantized_product_is_the_dequantized_weights_product(fmt, rows):
     out = np.asarray(linear(jnp.asarray(x), w))
     assert out.shape == (rows, 48)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_quantized_kernel_matches_float64(fmt, kernel_target):
+    """quantized_linear.cc on every tested target (AVX-512, AVX2, the portable build):
+    each row count a step uses, one row included, in passes of up to 8 rows (4 with 16
+    registers), output rows that end a task mid-way, inputs of one to 48 groups; against
+    float64 with the weights dequantized, to f32 rounding."""
+    from xlr_jax.ops import cpu_linear
+
+    rng = np.random.default_rng(7)
+    product = jax.jit(lambda x, w: cpu_linear.quantized_linear(
+        x, w.values, w.scales, w.minimums, target=kernel_target))
+    for rows in (1, 2, 5, 8, 9, 17, cpu_linear.MAX_ROWS):
+        for out_rows, d in ((1, 32), (19, 96), (70, 1536)):
+            w = tensor(quantize(random_weight(rows + d, out_rows, d), fmt))
+            x = jnp.asarray(rng.standard_normal((rows, d)), jnp.float32)
+            out = np.asarray(product(x, w), np.float64)
+            x64, w64 = np.asarray(x, np.float64), np.asarray(w.dequantize(), np.float64)
+            scale = np.abs(x64) @ np.abs(w64).T  # what each output sums
+            assert out.shape == (rows, out_rows)
+            assert np.max(np.abs(out - x64 @ w64.T) / scale) < 1e-5, (rows, out_rows, d)
+
+
+def test_a_step_takes_the_kernel_where_the_plan_runs_it(cpu_kernels_on):
+    """decoder.linear sends a quantized weight's products of up to MAX_ROWS rows to the
+    kernel when the plan runs the CPU kernels (kernel_rows), and a longer chunk to XLA's
+    dot of the dequantized weight: the same values either way."""
+    from xlr_jax.model.decoder import RowProducts
+    from xlr_jax.ops import cpu_linear
+
+    w = tensor(quantize(random_weight(1, 64, 128), "int4"))
+    kernel = RowProducts(kernel_rows=cpu_linear.rows_it_pays(16))
+    for rows in (1, 4, cpu_linear.MAX_ROWS + 1):
+        x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 128)), jnp.float32)
+        lowered = jax.jit(lambda x, w: linear(x, w, kernel)).lower(x, w).as_text()
+        assert ("xlr_linear_q4" in lowered) == (rows <= cpu_linear.MAX_ROWS)
+        np.testing.assert_allclose(np.asarray(linear(x, w, kernel)),
+                                   np.asarray(linear(x, w)), rtol=1e-5, atol=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,8 @@ except ImportError:  # not POSIX: builds are not serialized across processes
     fcntl = None
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "paged_attention.cc", HERE / "linear.cc", HERE / "ffi_bindings.cc")
+SOURCES = (HERE / "paged_attention.cc", HERE / "linear.cc", HERE / "quantized_linear.cc",
+           HERE / "ffi_bindings.cc")
 HEADERS = (HERE / "cpu_kernels.h",)
 # -O3: at -O2 GCC keeps the kernels' arrays of accumulators in memory, not registers (it
 # unrolls only loops that do not grow the code), and they ran 1.5-3x slower; forcing the

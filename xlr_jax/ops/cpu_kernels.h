@@ -1,4 +1,4 @@
-// What the CPU kernels (paged_attention.cc, linear.cc) share: vectors as wide as the
+// What the CPU kernels (paged_attention.cc, linear.cc, quantized_linear.cc) share: vectors as wide as the
 // target's registers, a task loop over a pool of threads, and their entry points, which
 // ffi_bindings.cc binds to XLA's FFI (XLA's intra-op threads as the pool). Only that file
 // includes XLA's header: parsing it takes 1.7 s of every file that does.
@@ -120,5 +120,19 @@ const char* paged_attention(Pool& pool, const Attention& a);
 // of 16
 void linear(Pool& pool, const float* x, const float* w, int64_t rows, int64_t d, int64_t n,
             float* out);
+
+// out[r, o] = x[r] . w[o] with w kept quantized (quantized_linear.cc): x [rows, d] f32, q
+// the values ([n, d / 2] bytes for 4 bits, [n, d] for 8), scales and (4 bits) minimums
+// float16 bits [n, d / 32]; d a multiple of 32
+struct QuantizedProduct {
+  const float* x;
+  int64_t rows, d, n;
+  int bits;
+  const uint8_t* q;
+  const uint16_t *scales, *minimums;  // minimums: nullptr for 8 bits
+  float* out;
+};
+
+void quantized_linear(Pool& pool, const QuantizedProduct& p);
 
 }  // namespace xlr

@@ -49,3 +49,17 @@ def linear(x, w, out_dtype=None, target=None):
                            jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32))(
         x.reshape(rows, d).astype(jnp.float32), w)
     return out.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype or x.dtype)
+
+
+def quantized_linear(x, values, scales, minimums=None, out_dtype=None, target=None):
+    """x [..., d] @ w.T for a weight kept quantized (`model.quantized`'s layout: 4-bit
+    `values` [out, d / 2] with `minimums`, or 8-bit [out, d] without), each weight
+    dequantized in registers (`quantized_linear.cc`); f32 accumulation. Any row count;
+    d a multiple of 32. Call `cpu_kernels.build_error(target)` first."""
+    rows, d = x.size // x.shape[-1], x.shape[-1]
+    name, operands = ("xlr_linear_q8", (values, scales)) if minimums is None else \
+        ("xlr_linear_q4", (values, scales, minimums))
+    out = jax.ffi.ffi_call(cpu_kernels.target_name(name, target),
+                           jax.ShapeDtypeStruct((rows, values.shape[0]), jnp.float32))(
+        x.reshape(rows, d).astype(jnp.float32), *operands)
+    return out.reshape(*x.shape[:-1], values.shape[0]).astype(out_dtype or x.dtype)

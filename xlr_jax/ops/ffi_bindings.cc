@@ -60,6 +60,43 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+ffi::Error QuantizedLinear(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, int bits,
+                          const uint8_t* q, int64_t q_cols, int64_t n,
+                          ffi::Buffer<ffi::F16>& scales, const uint16_t* minimums,
+                          ffi::ResultBuffer<ffi::F32>& out) {
+  const auto xd = x.dimensions(), sd = scales.dimensions();
+  if (xd.size() != 2 || sd.size() != 2 || xd[1] % 32 != 0 || sd[0] != n ||
+      sd[1] * 32 != xd[1] || q_cols != (bits == 4 ? xd[1] / 2 : xd[1]))
+    return ffi::Error::InvalidArgument("quantized linear: x [rows, d], values [out, d / 2] "
+                                       "(4 bits) or [out, d] (8 bits), scales [out, d / 32]; "
+                                       "d a multiple of 32");
+  XlaPool threads(pool);
+  xlr::quantized_linear(threads, {x.typed_data(), xd[0], xd[1], n, bits, q,
+                                  reinterpret_cast<const uint16_t*>(scales.typed_data()),
+                                  minimums, out->typed_data()});
+  return ffi::Error::Success();
+}
+
+ffi::Error LinearQ4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
+                    ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> minimums,
+                    ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), md = minimums.dimensions(), sd = scales.dimensions();
+  if (qd.size() != 2 || !std::equal(md.begin(), md.end(), sd.begin(), sd.end()))
+    return ffi::Error::InvalidArgument("quantized linear: 4-bit values [out, d / 2] and "
+                                       "minimums shaped as the scales");
+  return QuantizedLinear(pool, x, 4, q.typed_data(), qd[1], qd[0], scales,
+                         reinterpret_cast<const uint16_t*>(minimums.typed_data()), out);
+}
+
+ffi::Error LinearQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                    ffi::Buffer<ffi::F16> scales, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 2)
+    return ffi::Error::InvalidArgument("quantized linear: 8-bit values [out, d]");
+  return QuantizedLinear(pool, x, 8, reinterpret_cast<const uint8_t*>(q.typed_data()), qd[1],
+                         qd[0], scales, nullptr, out);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlrPagedAttention, PagedAttention,
@@ -79,6 +116,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlrLinear, Linear,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [rows, d]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w [out, d]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // [rows, out]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlrLinearQ4, LinearQ4,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [rows, d]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // values [out, d / 2]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // scales [out, d / 32]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // minimums [out, d / 32]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // [rows, out]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlrLinearQ8, LinearQ8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [rows, d]
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // values [out, d]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // scales [out, d / 32]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [rows, out]
 
 // the floats a vector of this build holds (16 AVX-512, 8 AVX2, 4 otherwise): what the
