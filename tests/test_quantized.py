@@ -22,7 +22,7 @@ from xlr_jax.model.quantized import GROUP, QuantizedTensor, from_gguf_blocks, qu
 
 
 def tensor(fields: dict) -> QuantizedTensor:
-    return QuantizedTensor(**{"minimums": None, **{k: jnp.asarray(v) for k, v in fields.items()}})
+    return QuantizedTensor(**{k: jnp.asarray(v) for k, v in fields.items()})
 
 
 def random_weight(seed, rows, cols) -> np.ndarray:

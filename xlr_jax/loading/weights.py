@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -63,11 +64,8 @@ MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # the layer leaves a format ap
 
 
 def _stack_layers(per_layer: list[dict]) -> dict:
-    def stack(parts):
-        if isinstance(parts[0], dict):  # a quantized weight: each of its arrays
-            return {k: np.stack([p[k] for p in parts]) for k in parts[0]}
-        return np.stack(parts)
-    return {name: stack([layer[name] for layer in per_layer]) for name in per_layer[0]}
+    """Each leaf stacked over the layers (a quantized weight's arrays each)."""
+    return jax.tree.map(lambda *parts: np.stack(parts), *per_layer)
 
 
 def _layer_dict(q, k, v, o, attn_norm, mlp_norm, ffn, biases, extra, dtype, weights):

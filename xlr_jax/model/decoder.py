@@ -86,8 +86,8 @@ def params_from_arrays(arrays: dict, dtype=jnp.float32) -> Params:
 
     def put(a, i=None):
         if isinstance(a, dict):  # a weight kept quantized: its arrays as they are
-            return QuantizedTensor(**{"minimums": None, **{
-                k: jax.device_put(np.asarray(v if i is None else v[i])) for k, v in a.items()}})
+            return QuantizedTensor(**{k: jax.device_put(np.asarray(v if i is None else v[i]))
+                                      for k, v in a.items()})
         return jax.device_put(np.asarray(a if i is None else a[i], dtype))
 
     stacked = arrays["layers"]

@@ -37,7 +37,7 @@ GGUF_KEPT = ("Q4_0", "Q4_1", "Q8_0")  # llama.cpp's types kept as they are
 class QuantizedTensor:
     values: jax.Array          # see the module docstring
     scales: jax.Array          # float16 [out, in / GROUP]
-    minimums: jax.Array | None  # float16 [out, in / GROUP] (4 bits), or None (8 bits)
+    minimums: jax.Array | None = None  # float16 [out, in / GROUP] (4 bits); None: 8 bits
 
     @property
     def bits(self) -> int:
@@ -89,30 +89,35 @@ def quantize(w: np.ndarray, fmt: str) -> dict:
     g = np.asarray(w, np.float32).reshape(out, n // GROUP, GROUP)
     if fmt == "int8":
         scale = (np.abs(g).max(axis=-1) / 127).astype(np.float16)
-        inv = np.divide(1, scale.astype(np.float32), out=np.zeros(scale.shape, np.float32),
-                        where=scale != 0)
-        q = np.clip(np.round(g * inv[..., None]), -127, 127).astype(np.int8)
+        q = np.clip(np.round(g * _reciprocal(scale)), -127, 127).astype(np.int8)
         return {"values": q.reshape(out, n), "scales": scale}
     low = g.min(axis=-1)
     scale = ((g.max(axis=-1) - low) / 15).astype(np.float16)
     minimum = low.astype(np.float16)
-    inv = np.divide(1, scale.astype(np.float32), out=np.zeros(scale.shape, np.float32),
-                    where=scale != 0)
-    q = np.clip(np.round((g - minimum.astype(np.float32)[..., None]) * inv[..., None]), 0, 15)
+    q = np.clip(np.round((g - minimum.astype(np.float32)[..., None]) * _reciprocal(scale)),
+                0, 15)
     q = q.astype(np.uint8)
     packed = q[..., :GROUP // 2] | (q[..., GROUP // 2:] << 4)
     return {"values": packed.reshape(out, n // 2), "scales": scale, "minimums": minimum}
 
 
+def _reciprocal(scale: np.ndarray) -> np.ndarray:
+    """1 / scale in f32 for each group, [..., 1] (0 for a group of zeros)."""
+    s = scale.astype(np.float32)
+    return np.divide(1, s, out=np.zeros(s.shape, np.float32), where=s != 0)[..., None]
+
+
 def from_gguf_blocks(kind: str, blocks: np.ndarray, shape: tuple[int, int]) -> dict:
     """`QuantizedTensor`'s host arrays from a GGUF tensor's raw blocks (uint8 [out,
     bytes a row]) of llama.cpp type `kind` ("Q4_0", "Q4_1" or "Q8_0")."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # only a GGUF load needs it
+
     out, n = shape
-    sizes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes a block of 32 (GGUF_KEPT)
-    if n % GROUP or blocks.shape != (out, n // GROUP * sizes[kind]):
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]  # a block of 32's bytes
+    if n % GROUP or blocks.shape != (out, n // GROUP * size):
         raise ValueError(f"a {kind} tensor of shape {shape} does not split into its "
                          f"{GROUP}-value blocks")
-    b = np.ascontiguousarray(blocks).reshape(out, n // GROUP, sizes[kind])
+    b = np.ascontiguousarray(blocks).reshape(out, n // GROUP, size)
     scale = b[..., 0:2].copy().view(np.float16)[..., 0]
     if kind == "Q8_0":
         return {"values": b[..., 2:].copy().view(np.int8).reshape(out, n), "scales": scale}
@@ -130,7 +135,7 @@ def is_quantized(a) -> bool:
 
 def host_dequantize(fields: dict) -> np.ndarray:
     """The f32 weight of a loader leaf's quantized arrays."""
-    return np.asarray(QuantizedTensor(**{"minimums": None, **fields}).dequantize())
+    return np.asarray(QuantizedTensor(**fields).dequantize())
 
 
 def map_rows(fn, a):
