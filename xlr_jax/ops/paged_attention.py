@@ -23,8 +23,9 @@ no position (padding) returns zeros.
 impl: "xla" is the pure-JAX reference below; "pallas" the kernel in
 `pallas_attention` (interpret mode off the GPU); "cpu" the CPU's kernel in
 `cpu_attention` (an XLA custom call) for f32 pages in the padded form, the XLA path for
-the rest (and for soft-capped scores); "auto" is Pallas on GPU and XLA elsewhere (XLA:CPU runs the reference faster
-than interpreted kernels; the plan picks "cpu" when its kernel builds).
+the rest (and for soft-capped scores); "auto" is Pallas on GPU and XLA elsewhere
+(XLA:CPU runs the reference faster than interpreted kernels; the plan picks "cpu" when
+its kernel builds).
 """
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ class ExecutionPlan:
     backend: str
     device_name: str
     compute_dtype: str
-    weights: str                   # the weight matrices' format (loading.weights.WEIGHTS)
+    weights: str                   # the weight matrices' format (model.quantized.WEIGHTS)
     kv_dtype: str
     page_size: int
     num_pages: int
@@ -408,7 +408,8 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
                           if workload.draft is None else f"draft {workload.draft}")
     return ExecutionPlan(
         backend=hardware.backend, device_name=hardware.device_name, compute_dtype=compute,
-        weights=formats, kv_dtype=kv, page_size=ps, num_pages=pages, max_context=context, max_batch=batch,
+        weights=formats, kv_dtype=kv, page_size=ps, num_pages=pages, max_context=context,
+        max_batch=batch,
         prefill_chunk=chunk, max_step_tokens=step_tokens, step_cost_tokens=step_cost,
         max_waiting=waiting, max_preemptions=MAX_PREEMPTIONS,
         max_pinned_share=MAX_PINNED_SHARE, batch_buckets=buckets.batch,
