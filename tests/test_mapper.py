@@ -565,8 +565,9 @@ def test_what_fits_against_a_hand_computation():
         "largest_batch"]) == (3, 7)
     f32 = rows[("float32", "bfloat16")]  # 32 GB of weights in 21.6 GB usable
     assert not f32["fits"] and "weights need 32.12 GB" in f32["why"]
-    # quantized at load: a 32-value group in 34 bytes (int8) or 20 (int4), scales included
-    for fmt, group_bytes in (("int8", 34), ("int4", 20)):
+    # quantized at load: a 32-value group in 34 bytes (int8) or 20 (int4), scales included;
+    # fp8 a byte a value (a row's one scale left out)
+    for fmt, group_bytes in (("int8", 34), ("int4", 20), ("fp8", 32)):
         assert rows[(fmt, "bfloat16")]["weight_bytes"] == int(params * group_bytes / 32)
     assert rows[("int4", "bfloat16")]["largest_batch"] > rows[("bfloat16", "bfloat16")][
         "largest_batch"]
@@ -585,7 +586,7 @@ def test_plan_fit_cli_reads_presets_on_preset_hardware():
                "--json")
     assert out.returncode == 0, out.stderr
     table = json.loads(out.stdout)
-    assert table["device"] == "NVIDIA H200" and len(table["rows"]) == 16
+    assert table["device"] == "NVIDIA H200" and len(table["rows"]) == 20  # 5 x 4 formats
     fits = {(r["weights"], r["kv"]): r["fits"] for r in table["rows"]}
     assert fits[("bfloat16", "bfloat16")] and not fits[("float32", "float32")]
     text = _xlr("plan", "qwen3-30b-a3b", "--fit", "--hardware", "h100", "--context", "4096")

@@ -151,6 +151,26 @@ def test_exact_sampling_with_a_model_draft_is_the_target_distribution(tiny_model
     assert q.chi2(frequencies(q, results), EXACT_SEEDS) > 3 * bound
 
 
+@pytest.fixture(scope="module")
+def target_int8(tiny_models):
+    return load(tiny_models.target, weights="int8")
+
+
+def test_a_4_bit_draft_for_an_8_bit_target_samples_the_target(tiny_models, target_int8):
+    """Weights kept quantized: the target's matrices at 8 bits, its draft model's at 4
+    (`draft_weights`); exact speculation samples the 8-bit target's own distribution."""
+    spec = {"draft": str(tiny_models.first_layer), "gamma": 2, "draft_weights": "int4"}
+    results = run_batch(target_int8, spec, EXACT_SEEDS)
+    draft = target_int8._speculation(SpecConfig.parse(spec))[1]
+    assert draft.params.layers[0].wqkv.format == "int4"
+    assert target_int8.engine.runner.params.layers[0].wqkv.format == "int8"
+    exact = Enumerated(target_int8)
+    bound = np.quantile(exact.chi2_null(EXACT_SEEDS), 0.999)
+    assert exact.chi2(frequencies(exact, results), EXACT_SEEDS) < bound
+    kept = np.array([r.metrics["accepted_tokens"] for r in results if len(r.token_ids) > 1])
+    assert (kept == 0).mean() > 0.05 and (kept == 2).mean() > 0.05
+
+
 @pytest.mark.parametrize("sampling", [{"top_k": 3}, {"top_p": 0.7}, {"min_p": 0.2},
                                       {"top_k": 5, "top_p": 0.9, "min_p": 0.05,
                                        "temperature": 0.8}])
@@ -206,6 +226,24 @@ def smc_runs(tiny_models, target):
         runs[n] = [target.generate(PROMPT, max_tokens=LENGTH + 1, temperature=1.0, seed=s,
                                    speculative=spec) for s in range(SMC_SEEDS)]
     return runs
+
+
+def test_smc_on_quantized_weights_is_unbiased_for_the_target(tiny_models, target_int8):
+    """SMC-SD with the target at 8 bits and its draft at 4: the weighted particles'
+    estimates are unbiased for the 8-bit target's exact distribution (as with float
+    weights below; 4 particles, 1,000 seeds)."""
+    spec = {"method": "smc", "draft": str(tiny_models.flat_head), "gamma": 2,
+            "particles": 4, "min_agreement": 0, "draft_weights": "int4"}
+    runs = [target_int8.generate(PROMPT, max_tokens=LENGTH + 1, temperature=1.0, seed=s,
+                                 speculative=spec) for s in range(SMC_SEEDS // 2)]
+    exact = Enumerated(target_int8)
+    z_hat = np.exp([r.metrics["log_normalizer"] for r in runs])
+    est = np.stack([exact.cell_vector((ids, w * z) for ids, w in population(r))
+                    for r, z in zip(runs, z_hat)])
+    m = exact.exact >= 0.01
+    z = (est.mean(0) - exact.exact)[m] / (est.std(0, ddof=1)[m] / np.sqrt(len(runs)))
+    assert m.sum() > 40 and np.abs(z).max() < Z_BOUND, np.abs(z).max()
+    assert sum(r.metrics["resamples"] for r in runs) > 0.1 * len(runs)
 
 
 def population(r):

@@ -51,28 +51,55 @@ def _finish(writer, path: Path) -> Path:
     return path
 
 
+def random_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Raw blocks [rows, bytes a row] of llama.cpp type `kind` holding weights of about
+    ±0.3: the gguf package's quantizer where it has one (Q4_0, Q4_1, Q8_0), else random
+    bytes under random float16 scales small enough (it only reads the K types)."""
+    t = gguf.GGMLQuantizationType[kind]
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+        return gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.2)
+                                    .astype(np.float32), t)
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    b = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    # where a super-block's float16 scales sit, and the largest weight each scale makes
+    scales = {"Q4_K": ((0, 15 * 63), (2, 2 * 63)), "Q6_K": ((208, 32 * 128),)}[kind]
+    for at, reach in scales:
+        d = rng.uniform(0.1, 0.3, (rows, cols // block, 1)) / reach
+        b[..., at:at + 2] = d.astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)
+
+
 def write_tiny_gguf(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64,
-                    heads: int = 4, kv_heads: int = 2, ffn: int = 128,
-                    context: int = 2048) -> Path:
+                    heads: int = 4, kv_heads: int = 2, ffn: int = 128, context: int = 2048,
+                    matrix_type: str = "F32", embedding_type: str = "F32") -> Path:
+    """`matrix_type`, `embedding_type`: the llama.cpp type of the layers' matrices and of
+    the embedding ("F32", or one `random_blocks` makes)."""
     writer = gguf.GGUFWriter(str(path), "llama")
     _header(writer, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
             context=context)
     rng = np.random.default_rng(seed)
-    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
+
+    def add(name, kind, rows, cols):
+        if kind == "F32":
+            writer.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.2).astype(np.float32))
+        else:
+            writer.add_tensor(name, random_blocks(kind, rows, cols, rng),
+                              raw_dtype=gguf.GGMLQuantizationType[kind])
+
     head_dim = hidden // heads
-    writer.add_tensor("token_embd.weight", w(len(TOKENS), hidden))
+    add("token_embd.weight", embedding_type, len(TOKENS), hidden)
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in range(layers):
         b = f"blk.{i}."
-        writer.add_tensor(b + "attn_q.weight", w(heads * head_dim, hidden))
-        writer.add_tensor(b + "attn_k.weight", w(kv_heads * head_dim, hidden))
-        writer.add_tensor(b + "attn_v.weight", w(kv_heads * head_dim, hidden))
-        writer.add_tensor(b + "attn_output.weight", w(hidden, heads * head_dim))
+        add(b + "attn_q.weight", matrix_type, heads * head_dim, hidden)
+        add(b + "attn_k.weight", matrix_type, kv_heads * head_dim, hidden)
+        add(b + "attn_v.weight", matrix_type, kv_heads * head_dim, hidden)
+        add(b + "attn_output.weight", matrix_type, hidden, heads * head_dim)
         writer.add_tensor(b + "attn_norm.weight", np.ones(hidden, np.float32))
         writer.add_tensor(b + "ffn_norm.weight", np.ones(hidden, np.float32))
-        writer.add_tensor(b + "ffn_gate.weight", w(ffn, hidden))
-        writer.add_tensor(b + "ffn_up.weight", w(ffn, hidden))
-        writer.add_tensor(b + "ffn_down.weight", w(hidden, ffn))
+        add(b + "ffn_gate.weight", matrix_type, ffn, hidden)
+        add(b + "ffn_up.weight", matrix_type, ffn, hidden)
+        add(b + "ffn_down.weight", matrix_type, hidden, ffn)
     return _finish(writer, path)
 
 

@@ -49,8 +49,9 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     what it chose and why. Overrides that cannot fit raise PlanError.
     dtype: compute/weight dtype ("float32" or "bfloat16").
     weights: the weight matrices' format: "float" (in dtype), "native" (a GGUF's Q4_0,
-    Q4_1 and Q8_0 matrices kept as they are), "int8" or "int4" (quantized at load, in
-    groups of 32); default: the plan's (`model.plan.reasons["weights"]` says why).
+    Q4_1, Q8_0, Q4_K and Q6_K matrices kept quantized), "int8" or "int4" (quantized at
+    load, in groups of 32) or "fp8" (e4m3, a scale a row); default: the plan's
+    (`model.plan.reasons["weights"]` says why).
     page_size, num_pages: the KV page pool.
     max_batch: sequences decoded together; prefill_chunk: tokens per prefill call.
     max_waiting: requests queued beyond the running batch before `submit` raises
@@ -174,8 +175,10 @@ class Model:
         self.prompts = PromptEncoder(self.tokenizer, self.config.vocab_size, plan.max_context)
         self.dtype = plan.compute_dtype
         self.load_info = load_info
-        self._drafts: dict[str, ModelDraft] = {}
-        self._draft_bytes: dict[str, int] = {}  # taken from the plan's memory budget
+        # separate draft models by (path, weight format), and the memory each takes from
+        # the plan's budget
+        self._drafts: dict[tuple[str, str], ModelDraft] = {}
+        self._draft_bytes: dict[tuple[str, str], int] = {}
         self._draft_lock = threading.Lock()
         self._loop = EngineLoop(engine, plan.max_waiting)
 
@@ -341,25 +344,30 @@ class Model:
         spec = SpecConfig.parse(speculative, policy.gamma, policy.draft or "ngram")
         if spec is None:
             return None, None
-        return spec, resolve_draft(spec.draft, self.config, self._load_draft)
+        weights = spec.draft_weights or self.plan.weights
+        return spec, resolve_draft(spec.draft, self.config,
+                                   lambda path: self._load_draft(path, weights))
 
-    def _load_draft(self, path: str) -> ModelDraft:
-        """A separate draft model, checked against the target's vocabulary and the memory
-        the plan left (its weights and its KV over the same pages) before it is read."""
+    def _load_draft(self, path: str, weights: str) -> ModelDraft:
+        """A separate draft model with its matrices in `weights`, checked against the
+        target's vocabulary and the memory the plan left (its weights and its KV over the
+        same pages) before it is read."""
+        key = (path, weights)
         with self._draft_lock:
-            if path not in self._drafts:
-                self._drafts[path], self._draft_bytes[path] = self._read_draft(path)
-            return self._drafts[path]
+            if key not in self._drafts:
+                self._drafts[key], self._draft_bytes[key] = self._read_draft(path, weights)
+            return self._drafts[key]
 
-    def _read_draft(self, path: str) -> tuple[ModelDraft, int]:
+    def _read_draft(self, path: str, weights: str) -> tuple[ModelDraft, int]:
         source = open_source(path)  # parsed once: its config, then its weights
         config = source.config
         if config.vocab_size != self.config.vocab_size:
             raise InvalidRequestError(
                 f"draft model {path} has a vocabulary of {config.vocab_size} but the "
                 f"target's is {self.config.vocab_size}; a draft must share the tokenizer")
-        size = draft_bytes(self.plan, config, path, taken=sum(self._draft_bytes.values()))
-        loaded = load_weights(source, dtype=np.dtype(self.dtype))
+        size = draft_bytes(self.plan, config, path, taken=sum(self._draft_bytes.values()),
+                           weights=weights)
+        loaded = load_weights(source, dtype=np.dtype(self.dtype), weights=weights)
         params = params_from_arrays(loaded.params, jnp.dtype(self.dtype))
         return ModelDraft(str(path), config, params), size
 

@@ -81,13 +81,13 @@ class XlrRunner:
 def load_xlr(spec: dict) -> XlrRunner:
     # prefix cache off by default: every run then prefills its whole prompt, as
     # transformers does, so TTFT compares prefill with prefill
-    model = load_model(spec["model"], dtype=spec.get("dtype"),
+    model = load_model(spec["model"], dtype=spec.get("dtype"), weights=spec.get("weights"),
                        prefix_cache=spec.get("prefix_cache", False),
                        compiler_options=spec.get("compiler_options"),
                        attn_impl=spec.get("attn_impl", "auto"),
                        linear_impl=spec.get("linear_impl", "auto"),
                        max_step_tokens=spec.get("max_step_tokens"))
-    info = {"model": spec["model"], "dtype": model.dtype,
+    info = {"model": spec["model"], "dtype": model.dtype, "weights": model.plan.weights,
             "param_bytes": model.engine.runner.params.nbytes(),
             "attn_impl": model.plan.attn_impl, "linear_impl": model.plan.linear_impl,
             "max_step_tokens": model.plan.max_step_tokens,
@@ -211,7 +211,64 @@ class _TokenTimes:
         pass
 
 
-RUNNERS = {"xlr": load_xlr, "xlr-random": random_xlr, "transformers": TransformersRunner}
+class LlamaCppRunner:
+    """llama.cpp (llama-cpp-python) on a GGUF file, greedy by the argmax of its logits, on
+    `threads` threads (default 2) for prefill and decode alike."""
+
+    kind = "llama.cpp"
+
+    def __init__(self, spec: dict):
+        import llama_cpp
+
+        from xlr_jax.loading.gguf_file import GGUFFile
+
+        path = resolve_model(spec["model"])
+        threads = spec.get("threads", 2)
+        self.llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads,
+                                   n_ctx=spec.get("n_ctx", 4096), verbose=False)
+        self.label = spec.get("label", "llama.cpp")
+        self.vocab_size = self.llm.n_vocab()
+        tensors = {t.name: t.data.nbytes for t in GGUFFile(path).tensors}
+        # an untied input embedding is only gathered (as for the other runners)
+        self.weight_bytes_per_token = sum(tensors.values()) - (
+            tensors["token_embd.weight"] if "output.weight" in tensors else 0)
+        c = self.llm.metadata
+        arch = c["general.architecture"]
+        layers, kv_heads = int(c[f"{arch}.block_count"]), int(c[f"{arch}.attention.head_count_kv"])
+        head_dim = int(c[f"{arch}.embedding_length"]) // int(c[f"{arch}.attention.head_count"])
+        self.kv_bytes_per_position = layers * 2 * kv_heads * head_dim * 2  # f16 KV
+        self.info = {"model": spec["model"], "file": path.name, "threads": threads,
+                     "llama_cpp_python": llama_cpp.__version__,
+                     "method": "eval() of the prompt, then one eval() a token, the next "
+                               "token the argmax of the last logits: ttft_s = the prompt's "
+                               "eval and its argmax, decode_tokens_per_s = (n - 1) / (last "
+                               "token - first token)"}
+
+    def encode(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode(), add_bos=False, special=True)
+
+    def _next(self) -> int:
+        import llama_cpp
+        import numpy as np
+
+        logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(self.vocab_size,))))
+
+    def generate(self, ids: list[int], n: int) -> Run:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(ids)
+        tokens, times = [self._next()], [time.perf_counter()]
+        while len(tokens) < n:
+            self.llm.eval(tokens[-1:])
+            tokens.append(self._next())
+            times.append(time.perf_counter())
+        return Run(tokens, times[0] - start,
+                   (n - 1) / (times[-1] - times[0]) if n > 1 else 0.0)
+
+
+RUNNERS = {"xlr": load_xlr, "xlr-random": random_xlr, "transformers": TransformersRunner,
+           "llama.cpp": LlamaCppRunner}
 
 
 def prompt_ids(spec: dict, n: int, runner) -> list[int]:

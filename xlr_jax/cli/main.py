@@ -21,8 +21,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weight/compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--weights", choices=WEIGHTS, default=None,
-                   help="weight matrices: float (in --dtype), native (a GGUF's Q4_0/Q4_1/Q8_0 "
-                        "kept quantized), int8 or int4 (quantized at load); default: the plan's")
+                   help="weight matrices: float (in --dtype), native (a GGUF's Q4_0/Q4_1/Q8_0/"
+                        "Q4_K/Q6_K kept quantized), int8, int4 or fp8 (quantized at load); "
+                        "default: the plan's")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "int8", "fp8"], default=None,
                    help="KV page dtype (default: --dtype); int8/fp8 are quantized per token and head")
     p.add_argument("--attn-impl", choices=IMPLS, default="auto",

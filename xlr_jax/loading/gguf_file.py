@@ -9,11 +9,13 @@ shaped as the `gguf` reader shapes them (quantized ones as rows of blocks' bytes
 """
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -28,6 +30,20 @@ PLAIN = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.floa
          GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
          GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
          GGMLQuantizationType.I64: np.int64}
+
+
+@functools.cache
+def readable_types() -> tuple[str, ...]:
+    """The tensor types a load reads: those the `gguf` package's dequantizer takes (one
+    block of zeros tried each)."""
+    names = []
+    for kind in GGMLQuantizationType:
+        try:
+            gguf.quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[kind][1]), np.uint8), kind)
+        except NotImplementedError:
+            continue
+        names.append(kind.name)
+    return tuple(names)
 
 
 @dataclass(frozen=True)
@@ -90,15 +106,21 @@ class GGUFFile:
             return np.frombuffer(self._read(count * dtype.itemsize), dtype).tolist()
         return [self._value(item) for _ in range(count)]
 
-    def _tensor_info(self) -> tuple[tuple[int, ...], GGMLQuantizationType, int]:
+    def _tensor_info(self) -> tuple[tuple[int, ...], int, int]:
         (dims,) = self._unpack("<I")
         shape = self._unpack(f"<{dims}Q")
         kind, offset = self._unpack("<IQ")
-        return shape, GGMLQuantizationType(kind), offset
+        return shape, kind, offset
 
     @staticmethod
     def _tensor(buffer: np.ndarray, start: int, name: str, shape: tuple[int, ...],
-                kind: GGMLQuantizationType, offset: int) -> GGUFTensor:
+                kind_id: int, offset: int) -> GGUFTensor:
+        try:
+            kind = GGMLQuantizationType(kind_id)
+        except ValueError:
+            raise ValueError(f"tensor {name!r} is of tensor type {kind_id}, which the gguf "
+                             "package does not know (a newer llama.cpp type? try a newer "
+                             "gguf package, or requantize the file)") from None
         block, block_bytes = GGML_QUANT_SIZES[kind]
         dims = tuple(reversed(shape))
         if dims and dims[-1] % block:

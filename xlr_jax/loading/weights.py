@@ -196,6 +196,8 @@ def _gguf_tokenizer(reader, path: Path) -> Tokenizer:
 def _load_gguf(source: ModelSource, dtype, weights: str) -> dict:
     import gguf
 
+    from xlr_jax.loading.gguf_file import readable_types
+
     path, config = source.path, source.config
     reader, source.reader = source.reader or _gguf_reader(path), None  # parsed at most once
     by_name = {t.name: t for t in reader.tensors}
@@ -212,6 +214,10 @@ def _load_gguf(source: ModelSource, dtype, weights: str) -> dict:
             raise ModelLoadError(f"GGUF file {path} lacks tensor {name!r}; the file is "
                                  "incomplete or not a supported model")
         bar.update()
+        if t.tensor_type.name not in readable_types():
+            raise ModelLoadError(f"GGUF tensor {name!r} is of type {t.tensor_type.name}, "
+                                 f"which xlr-jax does not read; it reads "
+                                 f"{', '.join(readable_types())} (requantize the file)")
         shape = [int(n) for n in reversed(t.shape)]
         if matrix and weights == "native" and t.tensor_type.name in quantized.GGUF_KEPT:
             return quantized.from_gguf_blocks(t.tensor_type.name, t.data, tuple(shape))
@@ -524,8 +530,9 @@ def load_weights(source: ModelSource | str | os.PathLike, dtype=np.float32,
     `cache_dir`, use or refresh the params cache (cached params are read-only memory maps).
 
     weights: the format of the weight matrices (attention, MLP, embedding, LM head):
-    "float" (in `dtype`), "native" (a GGUF's Q4_0, Q4_1 and Q8_0 matrices kept as they
-    are, the rest in `dtype`), "int8" or "int4" (quantized at load; `model.quantized`).
+    "float" (in `dtype`), "native" (a GGUF's matrices of the types in
+    `quantized.GGUF_KEPT` kept quantized, the rest in `dtype`), "int8", "int4" or "fp8"
+    (quantized at load; `model.quantized`).
     Norms, biases, routers and experts stay in `dtype`."""
     if weights not in quantized.WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; choose one of "

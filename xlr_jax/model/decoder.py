@@ -303,11 +303,13 @@ def page_slots(block_tables, positions, valid, page_size):
 
 
 def forward(params: Params, kv: PagedKV, tokens, positions, valid, block_tables,
-            *, config: ModelConfig, attn_impl: str = "auto"):
+            *, config: ModelConfig, attn_impl: str = "auto",
+            products: RowProducts = RowProducts()):
     """Append `tokens` [B, T] at `positions` to each sequence's pages and run the decoder.
 
-    `valid` [B, T] marks real tokens (padding writes to the scratch page).
-    Returns the final hidden states [B, T, d] (after the final norm) and the new KV.
+    `valid` [B, T] marks real tokens (padding writes to the scratch page); `products`:
+    see `linear`. Returns the final hidden states [B, T, d] (after the final norm) and
+    the new KV.
     """
     c = config
     batch, q_len = tokens.shape
@@ -322,7 +324,8 @@ def forward(params: Params, kv: PagedKV, tokens, positions, valid, block_tables,
         return out.reshape(q.shape)
 
     hidden, kv = decoder(params, kv, tokens.reshape(-1), positions.reshape(-1),
-                         page_ids.reshape(-1), offsets.reshape(-1), attend, config=c)
+                         page_ids.reshape(-1), offsets.reshape(-1), attend, config=c,
+                         products=products)
     return hidden.reshape(batch, q_len, -1), kv
 
 

@@ -82,11 +82,12 @@ class Steps:
         self.compiler_options = compiler_options or {}
         if attn_impl == "cpu" or buckets.kernel_rows:  # registered before a stored
             cpu_kernels.build_error()  # executable that calls them runs
+        # how weight products of a few rows run (the speculative cycle's run so too)
+        self.products = RowProducts(buckets.reduce_rows, buckets.kernel_rows)
         # the step is lowered and compiled per instance, ahead of time (`_executable`)
         self._step = jax.jit(partial(_step, pages_per_block=buckets.attn_block,
-                                     products=RowProducts(buckets.reduce_rows,
-                                                          buckets.kernel_rows),
-                                     config=config, attn_impl=attn_impl),
+                                     products=self.products, config=config,
+                                     attn_impl=attn_impl),
                              donate_argnames="kv", compiler_options=compiler_options or None)
         self._all_logits = _jitted_all_logits(config, attn_impl,
                                               tuple(sorted(self.compiler_options.items())))

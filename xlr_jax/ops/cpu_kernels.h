@@ -121,15 +121,21 @@ const char* paged_attention(Pool& pool, const Attention& a);
 void linear(Pool& pool, const float* x, const float* w, int64_t rows, int64_t d, int64_t n,
             float* out);
 
-// out[r, o] = x[r] . w[o] with w kept quantized (quantized_linear.cc): x [rows, d] f32, q
-// the values ([n, d / 2] bytes for 4 bits, [n, d] for 8), scales and (4 bits) minimums
-// float16 bits [n, d / 32]; d a multiple of 32
+// out[r, o] = x[r] . w[o] with w kept quantized (quantized_linear.cc): x [rows, d] f32; q
+// the values, [n, d / 2] bytes for 4 bits, [n, d] for 8-bit integers and fp8 e4m3; one
+// scale (and for 4 bits a minimum) for each `group` values along d, float16 bits or
+// float32 [n, d / group]. `group` divides d and is a multiple of 32 for 4 bits, of 16
+// otherwise.
+enum class Values { kInt4, kInt8, kFp8 };
+
 struct QuantizedProduct {
   const float* x;
   int64_t rows, d, n;
-  int bits;
+  Values values;
+  int64_t group;
   const uint8_t* q;
-  const uint16_t *scales, *minimums;  // minimums: nullptr for 8 bits
+  bool f32_scales;                // scales and minimums are float32, else float16 bits
+  const void *scales, *minimums;  // minimums: 4 bits only, else nullptr
   float* out;
 };
 

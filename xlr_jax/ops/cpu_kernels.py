@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 # custom-call target -> the symbol its handler is exported as
 TARGETS = {"xlr_paged_attention": "XlrPagedAttention", "xlr_linear": "XlrLinear",
-           "xlr_linear_q4": "XlrLinearQ4", "xlr_linear_q8": "XlrLinearQ8"}
+           "xlr_linear_q4": "XlrLinearQ4", "xlr_linear_q8": "XlrLinearQ8",
+           "xlr_linear_f8": "XlrLinearF8"}
 # A model load waits this long for a kernel build under way (a build takes 5-10 s on two
 # cores, started beside the model file's parsing): less than compiling the model's steps
 # for XLA's ops and then again, in the next process, for the kernels.

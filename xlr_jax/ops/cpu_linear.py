@@ -52,13 +52,17 @@ def linear(x, w, out_dtype=None, target=None):
 
 
 def quantized_linear(x, values, scales, minimums=None, out_dtype=None, target=None):
-    """x [..., d] @ w.T for a weight kept quantized (`model.quantized`'s layout: 4-bit
-    `values` [out, d / 2] with `minimums`, or 8-bit [out, d] without), each weight
-    dequantized in registers (`quantized_linear.cc`); f32 accumulation. Any row count;
-    d a multiple of 32. Call `cpu_kernels.build_error(target)` first."""
+    """x [..., d] @ w.T for a weight kept quantized (`model.quantized`'s layouts: 4-bit
+    `values` uint8 [out, d / 2] with `minimums`, or int8 or float8_e4m3fn [out, d]
+    without; scales float16 or float32 [out, groups]), each weight dequantized in
+    registers (`quantized_linear.cc`); f32 accumulation. Any row count; a group of a
+    multiple of 32 values (4 bits) or 16. Call `cpu_kernels.build_error(target)` first."""
     rows, d = x.size // x.shape[-1], x.shape[-1]
-    name, operands = ("xlr_linear_q8", (values, scales)) if minimums is None else \
-        ("xlr_linear_q4", (values, scales, minimums))
+    if minimums is not None:
+        name, operands = "xlr_linear_q4", (values, scales, minimums)
+    else:
+        name = "xlr_linear_q8" if values.dtype == jnp.int8 else "xlr_linear_f8"
+        operands = (values, scales)
     out = jax.ffi.ffi_call(cpu_kernels.target_name(name, target),
                            jax.ShapeDtypeStruct((rows, values.shape[0]), jnp.float32))(
         x.reshape(rows, d).astype(jnp.float32), *operands)

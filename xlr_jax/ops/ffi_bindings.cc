@@ -60,41 +60,56 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-ffi::Error QuantizedLinear(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, int bits,
-                          const uint8_t* q, int64_t q_cols, int64_t n,
-                          ffi::Buffer<ffi::F16>& scales, const uint16_t* minimums,
+// Checks x [rows, d], values [n, d / 2] (4 bits) or [n, d], and scales (and minimums,
+// alike) [n, groups] in float16 or float32 with `group` = d / groups as the layout asks.
+ffi::Error QuantizedLinear(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, xlr::Values values,
+                          const uint8_t* q, ffi::AnyBuffer::Dimensions qd,
+                          ffi::AnyBuffer& scales, const ffi::AnyBuffer* minimums,
                           ffi::ResultBuffer<ffi::F32>& out) {
   const auto xd = x.dimensions(), sd = scales.dimensions();
-  if (xd.size() != 2 || sd.size() != 2 || xd[1] % 32 != 0 || sd[0] != n ||
-      sd[1] * 32 != xd[1] || q_cols != (bits == 4 ? xd[1] / 2 : xd[1]))
-    return ffi::Error::InvalidArgument("quantized linear: x [rows, d], values [out, d / 2] "
-                                       "(4 bits) or [out, d] (8 bits), scales [out, d / 32]; "
-                                       "d a multiple of 32");
+  const bool four = values == xlr::Values::kInt4;
+  const auto type = scales.element_type();
+  const auto md = minimums ? minimums->dimensions() : sd;
+  const bool typed = (type == ffi::DataType::F16 || type == ffi::DataType::F32) &&
+                     (!minimums || minimums->element_type() == type) &&
+                     std::equal(sd.begin(), sd.end(), md.begin(), md.end());
+  const int64_t group = sd.size() == 2 && sd[1] > 0 && xd.size() == 2 ? xd[1] / sd[1] : 0;
+  if (!typed || qd.size() != 2 || group == 0 || group * sd[1] != xd[1] || sd[0] != qd[0] ||
+      group % (four ? 32 : 16) != 0 || qd[1] != (four ? xd[1] / 2 : xd[1]))
+    return ffi::Error::InvalidArgument(
+        "quantized linear: x [rows, d], values [out, d / 2] (4 bits) or [out, d], scales "
+        "(and minimums) float16 or float32 [out, d / group], the group a multiple of 32 "
+        "(4 bits) or 16");
   XlaPool threads(pool);
-  xlr::quantized_linear(threads, {x.typed_data(), xd[0], xd[1], n, bits, q,
-                                  reinterpret_cast<const uint16_t*>(scales.typed_data()),
-                                  minimums, out->typed_data()});
+  xlr::quantized_linear(threads, {x.typed_data(), xd[0], xd[1], qd[0], values, group, q,
+                                  type == ffi::DataType::F32, scales.untyped_data(),
+                                  minimums ? minimums->untyped_data() : nullptr,
+                                  out->typed_data()});
   return ffi::Error::Success();
 }
 
 ffi::Error LinearQ4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
-                    ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> minimums,
+                    ffi::AnyBuffer scales, ffi::AnyBuffer minimums,
                     ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), md = minimums.dimensions(), sd = scales.dimensions();
-  if (qd.size() != 2 || !std::equal(md.begin(), md.end(), sd.begin(), sd.end()))
-    return ffi::Error::InvalidArgument("quantized linear: 4-bit values [out, d / 2] and "
-                                       "minimums shaped as the scales");
-  return QuantizedLinear(pool, x, 4, q.typed_data(), qd[1], qd[0], scales,
-                         reinterpret_cast<const uint16_t*>(minimums.typed_data()), out);
+  return QuantizedLinear(pool, x, xlr::Values::kInt4, q.typed_data(), q.dimensions(), scales,
+                         &minimums, out);
 }
 
 ffi::Error LinearQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                    ffi::Buffer<ffi::F16> scales, ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions();
-  if (qd.size() != 2)
-    return ffi::Error::InvalidArgument("quantized linear: 8-bit values [out, d]");
-  return QuantizedLinear(pool, x, 8, reinterpret_cast<const uint8_t*>(q.typed_data()), qd[1],
-                         qd[0], scales, nullptr, out);
+                    ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> out) {
+  return QuantizedLinear(pool, x, xlr::Values::kInt8,
+                         reinterpret_cast<const uint8_t*>(q.typed_data()), q.dimensions(),
+                         scales, nullptr, out);
+}
+
+// fp8 values as any buffer: XLA's FFI header has no typed buffer of F8E4M3FN
+ffi::Error LinearF8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                    ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> out) {
+  if (q.element_type() != ffi::DataType::F8E4M3FN)
+    return ffi::Error::InvalidArgument("quantized linear: fp8 values are float8_e4m3fn");
+  return QuantizedLinear(pool, x, xlr::Values::kFp8,
+                         reinterpret_cast<const uint8_t*>(q.untyped_data()), q.dimensions(),
+                         scales, nullptr, out);
 }
 
 }  // namespace
@@ -123,8 +138,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlrLinearQ4, LinearQ4,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [rows, d]
                                   .Arg<ffi::Buffer<ffi::U8>>()    // values [out, d / 2]
-                                  .Arg<ffi::Buffer<ffi::F16>>()   // scales [out, d / 32]
-                                  .Arg<ffi::Buffer<ffi::F16>>()   // minimums [out, d / 32]
+                                  .Arg<ffi::AnyBuffer>()          // scales [out, groups]
+                                  .Arg<ffi::AnyBuffer>()          // minimums [out, groups]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [rows, out]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlrLinearQ8, LinearQ8,
@@ -132,7 +147,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlrLinearQ8, LinearQ8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [rows, d]
                                   .Arg<ffi::Buffer<ffi::S8>>()    // values [out, d]
-                                  .Arg<ffi::Buffer<ffi::F16>>()   // scales [out, d / 32]
+                                  .Arg<ffi::AnyBuffer>()          // scales [out, groups]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // [rows, out]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlrLinearF8, LinearF8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [rows, d]
+                                  .Arg<ffi::AnyBuffer>()          // values [out, d]
+                                  .Arg<ffi::AnyBuffer>()          // scales [out, groups]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [rows, out]
 
 // the floats a vector of this build holds (16 AVX-512, 8 AVX2, 4 otherwise): what the

@@ -1,10 +1,11 @@
 // A weight product with the weights kept quantized (xlr_jax/model/quantized.py's
 // layouts): out[r, o] = sum_k x[r, k] w[o, k], each weight dequantized in registers as
-// it is read, never written out. w is in groups of 32 along k with a float16 scale (and
-// for 4 bits a minimum) a group:
+// it is read, never written out. w is in groups of `group` values along k, each with a
+// scale (and for 4 bits a minimum), float16 or float32:
 //   4 bits  q [n, d / 2] bytes: byte j of a group holds value j (low nibble) and value
-//           j + 16 (high nibble); w = scale * q + minimum
+//           j + group / 2 (high nibble); w = scale * q + minimum
 //   8 bits  q [n, d] signed bytes; w = scale * q
+//   fp8     q [n, d] e4m3 bytes; w = scale * q
 // A weight row is read once for all the rows of x (up to kMaxRows at a time, one vector
 // accumulator each), and output rows are spread over XLA's intra-op threads. Decode (one
 // row) reads a quarter (4 bits) or a little over a quarter (8 bits) of f32's bytes.
@@ -19,15 +20,15 @@ namespace {
 using xlr::hsum;
 using xlr::kLanes;
 using xlr::load;
+using xlr::Values;
 using xlr::vf;
+using xlr::vi;
 
-constexpr int64_t kGroup = 32;
 constexpr int64_t kTaskRows = 16;  // output rows a task computes
 // rows of x folded against a weight row at a time: an accumulator each, beside the
 // group's dequantized vectors
 constexpr int kMaxRows = xlr::kRegisters >= 32 ? 8 : 4;
 
-using xlr::vi;
 typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
 
 // unsigned bytes to floats through 32-bit integers: GCC widens and converts a vector at
@@ -36,10 +37,33 @@ inline vf to_float(vu8 b) {
   return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
 }
 
+inline vf bits_as_float(vi bits) {
+  vf f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// fp8 e4m3 bytes as floats, exactly: a normal value's exponent and mantissa moved to a
+// float's places with the exponent's bias raised from 7 to 127, a subnormal one (exponent
+// 0) as its mantissa times 2^-9, then the sign. Bit operations only, so no float
+// subnormal arises (a CPU flushing them would zero the smallest weights).
+inline vf fp8_to_float(vu8 b) {
+  // bytes to 32-bit integers by way of floats, flipped and back: GCC widens and
+  // converts bytes a vector at a time only after a vector operation on them
+  const vi v = __builtin_convertvector(to_float(b ^ 0x80), vi) ^ 0x80;
+  const vi magnitude = v & 0x7f;
+  const vi normal = (magnitude << 20) + ((127 - 7) << 23);
+  vi subnormal;
+  const vf small = __builtin_convertvector(magnitude, vf) * 0x1p-9f;
+  std::memcpy(&subnormal, &small, sizeof subnormal);
+  const vi is_normal = magnitude >= 8;  // all ones where the exponent is not 0
+  return bits_as_float((normal & is_normal) | (subnormal & ~is_normal) | ((v & 0x80) << 24));
+}
+
 // A finite IEEE half as a float, without branches: its bits moved into a float's
 // places read 2^-112 of its value (subnormals too), so a product by 2^112 restores it
 // exactly. (No _Float16: every compiler and target takes this; scales are finite.)
-inline float half_to_float(uint16_t h) {
+inline float to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h & 0x7fffu) << 13;
   float f;
   std::memcpy(&f, &bits, sizeof f);
@@ -47,86 +71,119 @@ inline float half_to_float(uint16_t h) {
   return h & 0x8000u ? -f : f;
 }
 
-// out[j * n] = x row j . w row (4 bits) for RX rows of x
-template <int RX>
-void q4_row(const float* x, int64_t d, const uint8_t* q, const uint16_t* scales,
-            const uint16_t* minimums, int64_t n, float* out) {
+inline float to_float(float s) { return s; }
+
+// out[j * n] = x row j . w row (4 bits) for RX rows of x; S the scales' type
+template <int RX, typename S>
+void q4_row(const float* x, int64_t d, int64_t group, const uint8_t* q, const S* scales,
+            const S* minimums, int64_t n, float* out) {
   vf acc[RX] = {}, acc2[RX] = {};  // two chains of multiply-adds a row of x
-  for (int64_t g = 0; g < d / kGroup; ++g) {
-    const vf scale = vf{} + half_to_float(scales[g]);
-    const vf minimum = vf{} + half_to_float(minimums[g]);
-    const uint8_t* bytes = q + g * kGroup / 2;
-    const float* xg = x + g * kGroup;
-    for (int c = 0; c < kGroup / 2 / kLanes; ++c) {
+  const int64_t half = group / 2;
+  for (int64_t g = 0; g < d / group; ++g) {
+    const vf scale = vf{} + to_float(scales[g]);
+    const vf minimum = vf{} + to_float(minimums[g]);
+    const uint8_t* bytes = q + g * half;
+    const float* xg = x + g * group;
+    for (int64_t c = 0; c < half; c += kLanes) {
       vu8 b;
-      std::memcpy(&b, bytes + c * kLanes, sizeof b);
+      std::memcpy(&b, bytes + c, sizeof b);
       const vf lo = to_float(b & 15) * scale + minimum;
       const vf hi = to_float(b >> 4) * scale + minimum;
       for (int j = 0; j < RX; ++j) {
-        acc[j] += lo * load(xg + j * d + c * kLanes);
-        acc2[j] += hi * load(xg + j * d + kGroup / 2 + c * kLanes);
+        acc[j] += lo * load(xg + j * d + c);
+        acc2[j] += hi * load(xg + j * d + half + c);
       }
     }
   }
   for (int j = 0; j < RX; ++j) out[j * n] = hsum(acc[j] + acc2[j]);
 }
 
-// the same for 8 bits (minimums unused)
-template <int RX>
-void q8_row(const float* x, int64_t d, const uint8_t* q, const uint16_t* scales,
-            const uint16_t*, int64_t n, float* out) {
-  vf acc[RX] = {}, acc2[RX] = {};  // two chains of multiply-adds a row of x
-  for (int64_t g = 0; g < d / kGroup; ++g) {
+// kLanes bytes of an 8-bit row as floats: scale * q
+template <Values V>
+inline vf byte_values(const uint8_t* p, vf scale, vf offset) {
+  vu8 b;
+  std::memcpy(&b, p, sizeof b);
+  if constexpr (V == Values::kFp8) {
+    return fp8_to_float(b) * scale;
+  } else {
     // a signed byte q is (q ^ 0x80) - 128 read unsigned: GCC widens unsigned bytes a
-    // vector at a time but sign-extends lane by lane, so w = scale (q ^ 0x80) - 128 scale
-    const float s = half_to_float(scales[g]);
+    // vector at a time but sign-extends lane by lane; offset is -128 scale
+    return to_float(b ^ 0x80) * scale + offset;
+  }
+}
+
+// the same for 8-bit values, integers or fp8 (minimums unused)
+template <Values V, int RX, typename S>
+void q8_row(const float* x, int64_t d, int64_t group, const uint8_t* q, const S* scales,
+            const S*, int64_t n, float* out) {
+  vf acc[RX] = {}, acc2[RX] = {};  // two chains of multiply-adds a row of x
+  for (int64_t g = 0; g < d / group; ++g) {
+    const float s = to_float(scales[g]);
     const vf scale = vf{} + s, offset = vf{} - 128 * s;
-    const uint8_t* values = q + g * kGroup;
-    const float* xg = x + g * kGroup;
-    for (int c = 0; c < kGroup / kLanes; c += 2) {  // kGroup / kLanes is 2, 4 or 8
-      vu8 b, b2;
-      std::memcpy(&b, values + c * kLanes, sizeof b);
-      std::memcpy(&b2, values + (c + 1) * kLanes, sizeof b2);
-      const vf w = to_float(b ^ 0x80) * scale + offset;
-      const vf w2 = to_float(b2 ^ 0x80) * scale + offset;
+    const uint8_t* values = q + g * group;
+    const float* xg = x + g * group;
+    int64_t c = 0;
+    for (; c + 2 * kLanes <= group; c += 2 * kLanes) {
+      const vf w = byte_values<V>(values + c, scale, offset);
+      const vf w2 = byte_values<V>(values + c + kLanes, scale, offset);
       for (int j = 0; j < RX; ++j) {
-        acc[j] += w * load(xg + j * d + c * kLanes);
-        acc2[j] += w2 * load(xg + j * d + (c + 1) * kLanes);
+        acc[j] += w * load(xg + j * d + c);
+        acc2[j] += w2 * load(xg + j * d + c + kLanes);
+      }
+    }
+    if (c < group) {  // a group of an odd number of vectors: its last one, then the
+      const vf w = byte_values<V>(values + c, scale, offset);  // chains trade places
+      for (int j = 0; j < RX; ++j) {
+        acc[j] += w * load(xg + j * d + c);
+        std::swap(acc[j], acc2[j]);
       }
     }
   }
   for (int j = 0; j < RX; ++j) out[j * n] = hsum(acc[j] + acc2[j]);
 }
 
-using RowFn = void (*)(const float*, int64_t, const uint8_t*, const uint16_t*,
-                       const uint16_t*, int64_t, float*);
+template <typename S>
+using RowFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, const S*, const S*,
+                       int64_t, float*);
 
-template <int... Rs>
-RowFn row_for(int bits, int64_t rows, std::integer_sequence<int, Rs...>) {
-  static constexpr RowFn q4[] = {q4_row<Rs + 1>...};
-  static constexpr RowFn q8[] = {q8_row<Rs + 1>...};
-  return (bits == 4 ? q4 : q8)[rows - 1];
+template <typename S, int... Rs>
+RowFn<S> row_for(Values values, int64_t rows, std::integer_sequence<int, Rs...>) {
+  static constexpr RowFn<S> q4[] = {q4_row<Rs + 1, S>...};
+  static constexpr RowFn<S> q8[] = {q8_row<Values::kInt8, Rs + 1, S>...};
+  static constexpr RowFn<S> f8[] = {q8_row<Values::kFp8, Rs + 1, S>...};
+  return (values == Values::kInt4 ? q4 : values == Values::kInt8 ? q8 : f8)[rows - 1];
 }
 
-}  // namespace
-
-void xlr::quantized_linear(Pool& pool, const QuantizedProduct& p) {
+template <typename S>
+void product(xlr::Pool& pool, const xlr::QuantizedProduct& p) {
   const int64_t passes = (p.rows + kMaxRows - 1) / kMaxRows;
   const int64_t tasks = (p.n + kTaskRows - 1) / kTaskRows;
-  const int64_t groups = p.d / kGroup;
-  const int64_t row_bytes = p.bits == 4 ? p.d / 2 : p.d;
+  const int64_t groups = p.d / p.group;
+  const int64_t row_bytes = p.values == Values::kInt4 ? p.d / 2 : p.d;
+  const S* scales = static_cast<const S*>(p.scales);
+  const S* minimums = static_cast<const S*>(p.minimums);
 
   auto run = [&](int64_t t) {
     const int64_t o1 = std::min(p.n, (t + 1) * kTaskRows);
     for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
       const int64_t size = (p.rows - r) / (passes - pass);  // the rest, shared evenly
-      const RowFn fold = row_for(p.bits, size, std::make_integer_sequence<int, kMaxRows>{});
+      const RowFn<S> fold =
+          row_for<S>(p.values, size, std::make_integer_sequence<int, kMaxRows>{});
       for (int64_t o = t * kTaskRows; o < o1; ++o)
-        fold(p.x + r * p.d, p.d, p.q + o * row_bytes, p.scales + o * groups,
-             p.minimums ? p.minimums + o * groups : nullptr, p.n, p.out + r * p.n + o);
+        fold(p.x + r * p.d, p.d, p.group, p.q + o * row_bytes, scales + o * groups,
+             minimums ? minimums + o * groups : nullptr, p.n, p.out + r * p.n + o);
       r += size;
     }
   };
 
   xlr::run_tasks(pool, tasks, run);
+}
+
+}  // namespace
+
+void xlr::quantized_linear(Pool& pool, const QuantizedProduct& p) {
+  if (p.f32_scales)
+    product<float>(pool, p);
+  else
+    product<uint16_t>(pool, p);
 }

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from xlr_jax.errors import PlanError
 from xlr_jax.kv.pages import pages_for
+from xlr_jax.model import quantized
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.planning.hardware import HardwareProfile
 from xlr_jax.planning.mapper import (PAGE_SIZE, PREFILL_CHUNK, Workload, attention_for,
@@ -20,7 +21,7 @@ from xlr_jax.planning.mapper import (PAGE_SIZE, PREFILL_CHUNK, Workload, attenti
 
 # weight formats the runtime runs: float, or matrices quantized at load (model.quantized;
 # experts, norms and biases in the compute dtype: bf16 on a GPU, f32 on a CPU)
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")
+WEIGHT_FORMATS = ("float32", "bfloat16") + quantized.FORMATS
 KV_FORMATS = ("float32", "bfloat16", "int8", "float8_e4m3fn")
 MAX_BATCH = 4096  # the search's ceiling
 
@@ -30,9 +31,9 @@ def fit_row(hw: HardwareProfile, config: ModelConfig, weights: str, kv: str,
     """One format pair: its bytes, and what fits (`fits` False with `why` if nothing)."""
     ps, chunk = PAGE_SIZE[hw.backend], PREFILL_CHUNK[hw.backend]
     impl = attention_for(hw, config, kv, ps)[0]
-    quantized = weights in ("int8", "int4")
-    compute = ("bfloat16" if hw.backend == "gpu" else "float32") if quantized else weights
-    fmt = weights if quantized else "float"
+    kept = weights in quantized.FORMATS
+    compute = ("bfloat16" if hw.backend == "gpu" else "float32") if kept else weights
+    fmt = weights if kept else "float"
     row = {"weights": weights, "kv": kv,
            "weight_bytes": int(weight_bytes(config, compute, fmt)),
            "kv_bytes_per_token": config.kv_bytes_per_token(jnp.dtype(kv).itemsize)}

@@ -481,12 +481,14 @@ def _no_room(memory: MemoryBudget, per_context: int, context: int, ps: int,
         "a smaller max_batch or prefill_chunk, quantized KV (kv_dtype='int8') or another device")
 
 
-def draft_bytes(plan: ExecutionPlan, draft: ModelConfig, name: str, taken: int = 0) -> int:
-    """Memory a separate draft model takes from the plan's budget: its weights in the
-    compute dtype plus its own KV over all the plan's pages (it shares the target's page
-    ids). Refused with the numbers (PlanError) unless it fits in what the plan left
-    after the target's KV pool and the `taken` bytes of drafts loaded before."""
-    weights = draft.num_params() * _itemsize(plan.compute_dtype)
+def draft_bytes(plan: ExecutionPlan, draft: ModelConfig, name: str, taken: int = 0,
+                weights: str = "float") -> int:
+    """Memory a separate draft model takes from the plan's budget: its weights (in the
+    compute dtype, or with its matrices in format `weights`, as `weight_bytes` counts
+    them) plus its own KV over all the plan's pages (it shares the target's page ids).
+    Refused with the numbers (PlanError) unless it fits in what the plan left after the
+    target's KV pool and the `taken` bytes of drafts loaded before."""
+    weights = int(weight_bytes(draft, plan.compute_dtype, weights))
     kv = plan.num_pages * page_bytes(draft, plan.page_size, plan.kv_dtype)
     spare = plan.memory.kv_budget_bytes - plan.num_pages * plan.memory.page_bytes - taken
     if weights + kv > spare:

@@ -65,7 +65,7 @@ class ModelRunner:
                                   num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                   num_pages=num_pages, page_size=page_size, dtype=kv_dtype)
         self.steps = Steps(config, buckets, attn_impl, compiler_options)
-        self.spec_steps = SpecSteps(config, attn_impl, compiler_options)
+        self.spec_steps = SpecSteps(config, attn_impl, compiler_options, self.steps.products)
         self._draft_kvs: dict[str, PagedKV] = {}  # separate draft models' KV, by name
         self._draft_steps: dict[str, Steps] = {}
         self._page_ops = page_ops

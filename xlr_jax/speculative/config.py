@@ -14,6 +14,7 @@ from typing import Any
 
 from xlr_jax.errors import InvalidRequestError
 from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.quantized import WEIGHTS
 from xlr_jax.speculative.drafts import ngram_propose
 
 MAX_GAMMA = 16
@@ -41,6 +42,8 @@ class SpecConfig:
     starts with a probation of exact cycles that measure the draft's agreement with the
     target, sum_v min(p, q) per draft token; below min_agreement the request stays on
     exact speculation (metrics["smc_fallback"] says why); 0 skips the probation.
+    draft_weights: a draft model's weight format (one of `model.quantized.WEIGHTS`, e.g.
+    "int4" beside an "int8" target); default: the target's.
     """
 
     method: str = "exact"
@@ -51,6 +54,7 @@ class SpecConfig:
     alpha: float = 1.0
     resampler: str = "systematic"
     min_agreement: float = SMC_MIN_AGREEMENT
+    draft_weights: str | None = None
 
     def __post_init__(self):
         p = self.particles
@@ -73,6 +77,8 @@ class SpecConfig:
                                            f"(got {self.resampler!r})"),
             (0 <= self.min_agreement <= 1,
              f"min_agreement must be in [0, 1] (got {self.min_agreement})"),
+            (self.draft_weights in (None, *WEIGHTS),
+             f"draft_weights must be one of {', '.join(WEIGHTS)} (got {self.draft_weights!r})"),
             (self.method != "smc" or self.draft != "ngram",
              'SMC-SD needs a draft that can propose every token the target can: use draft '
              '"self:K" or a draft model path (n-gram lookup proposes one fixed token), or '
