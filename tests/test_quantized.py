@@ -164,8 +164,9 @@ def test_a_quantized_product_is_the_dequantized_weights_product(variant, rows):
 def test_the_quantized_kernel_matches_float64(variant, kernel_target):
     """quantized_linear.cc on every tested target (AVX-512, AVX2, the portable build) and
     every layout: each row count a step uses, one row included, in passes of up to 8 rows
-    (4 with 16 registers), output rows that end a task mid-way, inputs of one group to
-    many; against float64 with the weights dequantized, to f32 rounding."""
+    (4 with 16 registers) and past that through a dequantized tile (columns that end a
+    tile mid-way), output rows that end a task mid-way, inputs of one group to many;
+    against float64 with the weights dequantized, to f32 rounding."""
     from xlr_jax.ops import cpu_linear
 
     build, widths = VARIANTS[variant]
@@ -175,7 +176,7 @@ def test_the_quantized_kernel_matches_float64(variant, kernel_target):
     for out_rows, d in zip((1, 19, 70), widths):
         w = tensor(build(random_weight(out_rows + d, out_rows, d)))
         w64 = np.asarray(w.dequantize(), np.float64)
-        for rows in (1, 2, 5, 9, 17, cpu_linear.MAX_ROWS):
+        for rows in (1, 2, 5, 9, 17, 45, 256):
             x = jnp.asarray(rng.standard_normal((rows, d)), jnp.float32)
             out = np.asarray(product(x, w), np.float64)
             x64 = np.asarray(x, np.float64)
@@ -201,18 +202,19 @@ def test_the_kernel_reads_every_fp8_value_exactly(kernel_target):
 
 
 def test_a_step_takes_the_kernel_where_the_plan_runs_it(cpu_kernels_on):
-    """decoder.linear sends a quantized weight's products of up to MAX_ROWS rows to the
-    kernel when the plan runs the CPU kernels (kernel_rows), and a longer chunk to XLA's
-    dot of the dequantized weight: the same values either way."""
+    """decoder.linear sends a quantized weight's products of any row count (a decode row,
+    a prefill chunk) to the kernel when the plan runs the CPU kernels (kernel_rows), and
+    otherwise to XLA's dot of the dequantized weight: the same values either way."""
     from xlr_jax.model.decoder import RowProducts
     from xlr_jax.ops import cpu_linear
 
     w = tensor(quantize(random_weight(1, 64, 128), "int4"))
     kernel = RowProducts(kernel_rows=cpu_linear.rows_it_pays(16))
-    for rows in (1, 4, cpu_linear.MAX_ROWS + 1):
+    for rows in (1, 4, 33, 300):
         x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 128)), jnp.float32)
         lowered = jax.jit(lambda x, w: linear(x, w, kernel)).lower(x, w).as_text()
-        assert ("xlr_linear_q4" in lowered) == (rows <= cpu_linear.MAX_ROWS)
+        assert "xlr_linear_q4" in lowered
+        assert "xlr_linear_q4" not in jax.jit(lambda x, w: linear(x, w)).lower(x, w).as_text()
         np.testing.assert_allclose(np.asarray(linear(x, w, kernel)),
                                    np.asarray(linear(x, w)), rtol=1e-5, atol=1e-4)
 

@@ -146,12 +146,12 @@ class RowProducts(NamedTuple):
 def linear(x, w, products: RowProducts = RowProducts(), out_dtype=None):
     """x [..., d] @ w.T for w [out, d], in `out_dtype` (default x's): a dot, or for a
     few rows the CPU kernel or a multiply-sum (see RowProducts). A quantized w
-    (`QuantizedTensor`): where the plan runs the CPU kernels (`products.kernel_rows`), up
-    to MAX_ROWS rows by the quantized kernel (any row count, one too), else dequantized
-    in x's dtype for a dot."""
+    (`QuantizedTensor`): by the quantized kernel where the plan runs the CPU kernels
+    (`products.kernel_rows`; any row count: a decode row or a prefill chunk), else
+    dequantized in x's dtype for a dot."""
     rows = int(np.prod(x.shape[:-1]))
     if isinstance(w, QuantizedTensor):
-        if rows <= cpu_linear.MAX_ROWS and products.kernel_rows:
+        if products.kernel_rows:
             return cpu_linear.quantized_linear(x, w.values, w.scales, w.minimums, out_dtype)
         return jnp.einsum("...d,od->...o", x, w.dequantize(x.dtype),
                           preferred_element_type=out_dtype)

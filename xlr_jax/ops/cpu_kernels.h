@@ -43,6 +43,10 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 
+// f in every lane. (Not vf{} + f: 0 + f is not f for f = -0, so the compiler adds before
+// it broadcasts; f - 0 is f for every f and folds away.)
+inline vf splat(float f) { return f - vf{}; }
+
 // the sum of a vector's lanes: halves added until 4 lanes are left (the compiler turns
 // the copies of a half into register extracts)
 template <int N>
@@ -120,6 +124,7 @@ const char* paged_attention(Pool& pool, const Attention& a);
 // of 16
 void linear(Pool& pool, const float* x, const float* w, int64_t rows, int64_t d, int64_t n,
             float* out);
+
 
 // out[r, o] = x[r] . w[o] with w kept quantized (quantized_linear.cc): x [rows, d] f32; q
 // the values, [n, d / 2] bytes for 4 bits, [n, d] for 8-bit integers and fp8 e4m3; one

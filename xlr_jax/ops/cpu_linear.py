@@ -54,9 +54,10 @@ def linear(x, w, out_dtype=None, target=None):
 def quantized_linear(x, values, scales, minimums=None, out_dtype=None, target=None):
     """x [..., d] @ w.T for a weight kept quantized (`model.quantized`'s layouts: 4-bit
     `values` uint8 [out, d / 2] with `minimums`, or int8 or float8_e4m3fn [out, d]
-    without; scales float16 or float32 [out, groups]), each weight dequantized in
-    registers (`quantized_linear.cc`); f32 accumulation. Any row count; a group of a
-    multiple of 32 values (4 bits) or 16. Call `cpu_kernels.build_error(target)` first."""
+    without; scales float16 or float32 [out, groups]), the weights dequantized in
+    registers for a few rows, into a cached tile for more (`quantized_linear.cc`); f32
+    accumulation. Any row count; a group of a multiple of 32 values (4 bits) or 16. Call
+    `cpu_kernels.build_error(target)` first."""
     rows, d = x.size // x.shape[-1], x.shape[-1]
     if minimums is not None:
         name, operands = "xlr_linear_q4", (values, scales, minimums)

@@ -9,9 +9,11 @@
 // A weight row is read once for all the rows of x (up to kMaxRows at a time, one vector
 // accumulator each), and output rows are spread over XLA's intra-op threads. Decode (one
 // row) reads a quarter (4 bits) or a little over a quarter (8 bits) of f32's bytes.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -28,6 +30,9 @@ constexpr int64_t kTaskRows = 16;  // output rows a task computes
 // rows of x folded against a weight row at a time: an accumulator each, beside the
 // group's dequantized vectors
 constexpr int kMaxRows = xlr::kRegisters >= 32 ? 8 : 4;
+// past this many rows of x, a weight row is dequantized once into a tile for the f32
+// product's loops, not again for each pass of kMaxRows
+constexpr int64_t kFoldRows = kMaxRows;
 
 typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
 
@@ -80,8 +85,8 @@ void q4_row(const float* x, int64_t d, int64_t group, const uint8_t* q, const S*
   vf acc[RX] = {}, acc2[RX] = {};  // two chains of multiply-adds a row of x
   const int64_t half = group / 2;
   for (int64_t g = 0; g < d / group; ++g) {
-    const vf scale = vf{} + to_float(scales[g]);
-    const vf minimum = vf{} + to_float(minimums[g]);
+    const vf scale = xlr::splat(to_float(scales[g]));
+    const vf minimum = xlr::splat(to_float(minimums[g]));
     const uint8_t* bytes = q + g * half;
     const float* xg = x + g * group;
     for (int64_t c = 0; c < half; c += kLanes) {
@@ -119,7 +124,7 @@ void q8_row(const float* x, int64_t d, int64_t group, const uint8_t* q, const S*
   vf acc[RX] = {}, acc2[RX] = {};  // two chains of multiply-adds a row of x
   for (int64_t g = 0; g < d / group; ++g) {
     const float s = to_float(scales[g]);
-    const vf scale = vf{} + s, offset = vf{} - 128 * s;
+    const vf scale = xlr::splat(s), offset = xlr::splat(-128 * s);
     const uint8_t* values = q + g * group;
     const float* xg = x + g * group;
     int64_t c = 0;
@@ -146,12 +151,75 @@ template <typename S>
 using RowFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, const S*, const S*,
                        int64_t, float*);
 
+// A weight row as floats (out [d]), each value as the row functions compute it
+template <typename S>
+void dequantize_row(Values values, const uint8_t* q, const S* scales, const S* minimums,
+                    int64_t d, int64_t group, float* out) {
+  for (int64_t g = 0; g < d / group; ++g) {
+    const float s = to_float(scales[g]);
+    const vf scale = xlr::splat(s);
+    float* og = out + g * group;
+    if (values == Values::kInt4) {
+      const vf minimum = xlr::splat(to_float(minimums[g]));
+      const int64_t half = group / 2;
+      for (int64_t c = 0; c < half; c += kLanes) {
+        vu8 b;
+        std::memcpy(&b, q + g * half + c, sizeof b);
+        xlr::store(og + c, to_float(b & 15) * scale + minimum);
+        xlr::store(og + half + c, to_float(b >> 4) * scale + minimum);
+      }
+    } else {
+      const vf offset = xlr::splat(-128 * s);
+      for (int64_t c = 0; c < group; c += kLanes)
+        xlr::store(og + c, values == Values::kFp8
+                               ? byte_values<Values::kFp8>(q + g * group + c, scale, offset)
+                               : byte_values<Values::kInt8>(q + g * group + c, scale, offset));
+    }
+  }
+}
+
 template <typename S, int... Rs>
 RowFn<S> row_for(Values values, int64_t rows, std::integer_sequence<int, Rs...>) {
   static constexpr RowFn<S> q4[] = {q4_row<Rs + 1, S>...};
   static constexpr RowFn<S> q8[] = {q8_row<Values::kInt8, Rs + 1, S>...};
   static constexpr RowFn<S> f8[] = {q8_row<Values::kFp8, Rs + 1, S>...};
   return (values == Values::kInt4 ? q4 : values == Values::kInt8 ? q8 : f8)[rows - 1];
+}
+
+// Many rows of x (a prefill chunk): a task's 16 weight rows are dequantized once into a
+// tile stored k-major (wt [d][16]: the 16 rows' k-th values side by side), and each row
+// of x runs down it: out[r, 16 columns] += x[r, k] * wt[k], kTileRows rows of x at a time,
+// one accumulator per row and vector of columns. No horizontal sums, no stride.
+constexpr int kTile = 16;                     // weight rows (output columns) a tile holds
+constexpr int kTileVectors = kTile / kLanes;  // vectors across a tile's row
+constexpr int kTileRows = std::min(12, (xlr::kRegisters - kTileVectors - 2) / kTileVectors);
+
+// out[r * n + c] (c < columns) = x row r . tile column c for R rows of x
+template <int R>
+void tile_rows(const float* x, int64_t d, const float* wt, int64_t n, int64_t columns,
+               float* out) {
+  vf acc[R][kTileVectors] = {};
+  for (int64_t k = 0; k < d; ++k) {
+    vf w[kTileVectors];
+    for (int v = 0; v < kTileVectors; ++v) w[v] = load(wt + k * kTile + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const vf xv = xlr::splat(x[r * d + k]);
+      for (int v = 0; v < kTileVectors; ++v) acc[r][v] += xv * w[v];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float row[kTile];
+    std::memcpy(row, acc[r], sizeof row);
+    std::memcpy(out + r * n, row, columns * sizeof(float));
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+
+template <int... Rs>
+TileFn tile_for(int64_t rows, std::integer_sequence<int, Rs...>) {
+  static constexpr TileFn table[] = {tile_rows<Rs + 1>...};
+  return table[rows - 1];
 }
 
 template <typename S>
@@ -162,6 +230,25 @@ void product(xlr::Pool& pool, const xlr::QuantizedProduct& p) {
   const int64_t row_bytes = p.values == Values::kInt4 ? p.d / 2 : p.d;
   const S* scales = static_cast<const S*>(p.scales);
   const S* minimums = static_cast<const S*>(p.minimums);
+
+  if (p.rows > kFoldRows) {  // see tile_rows
+    xlr::run_tasks(pool, (p.n + kTile - 1) / kTile, [&](int64_t t) {
+      const int64_t o0 = t * kTile, columns = std::min(p.n - o0, int64_t{kTile});
+      std::vector<float> rows(kTile * p.d), wt(kTile * p.d);  // (zeros past the last)
+      for (int64_t c = 0; c < columns; ++c)
+        dequantize_row(p.values, p.q + (o0 + c) * row_bytes, scales + (o0 + c) * groups,
+                       minimums ? minimums + (o0 + c) * groups : nullptr, p.d, p.group,
+                       rows.data() + c * p.d);
+      for (int64_t k = 0; k < p.d; ++k)
+        for (int c = 0; c < kTile; ++c) wt[k * kTile + c] = rows[c * p.d + k];
+      for (int64_t r = 0; r < p.rows; r += kTileRows) {
+        const int64_t size = std::min<int64_t>(kTileRows, p.rows - r);
+        tile_for(size, std::make_integer_sequence<int, kTileRows>{})(
+            p.x + r * p.d, p.d, wt.data(), p.n, columns, p.out + r * p.n + o0);
+      }
+    });
+    return;
+  }
 
   auto run = [&](int64_t t) {
     const int64_t o1 = std::min(p.n, (t + 1) * kTaskRows);
