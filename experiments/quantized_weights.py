@@ -13,8 +13,12 @@ prefill chunk's dequantize the weight for XLA's dot. Greedy agreement: on each o
 how many of --agree-tokens tokens each engine shares with float and with llama.cpp before
 the first difference.
 
+An AVX2 machine without one: XLR_CPU_TARGET=x86-64-v3 XLA_FLAGS=--xla_cpu_max_isa=AVX2
+(the kernels and XLA's own code both capped at AVX2) with --no-llama-cpp (its build is
+the machine's own).
+
 Run: python experiments/quantized_weights.py [--out experiments/results] [--reps 3]
-     [--quick]
+     [--formats float,native,...] [--no-llama-cpp] [--quick]
 """
 from __future__ import annotations
 
@@ -41,16 +45,20 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="timed runs per engine (median)")
     ap.add_argument("--agree-tokens", type=int, default=32,
                     help="greedy tokens compared on each of PROMPTS")
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help="weight formats to load (float is always among them)")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
     ap.add_argument("--quick", action="store_true", help="few tokens, one run: a smoke test")
     args = ap.parse_args(argv)
+    formats = ["float"] + [f for f in args.formats.split(",") if f in FORMATS and f != "float"]
     from xlr_jax.bench.engines import LlamaCppRunner, leading_agreement, load_xlr, roofline
     from xlr_jax.bench.run import write_result
     from xlr_jax.planning.hardware import measure_bandwidth
 
     tokens, reps, long, agree = ((8, 1, 128, 8) if args.quick
                                  else (64, args.reps, 1024, args.agree_tokens))
-    engines = {f: load_xlr({"model": "smollm2", "weights": f, "label": f}) for f in FORMATS}
-    if importlib.util.find_spec("llama_cpp") is not None:
+    engines = {f: load_xlr({"model": "smollm2", "weights": f, "label": f}) for f in formats}
+    if not args.no_llama_cpp and importlib.util.find_spec("llama_cpp") is not None:
         engines["llama.cpp"] = LlamaCppRunner({"model": "smollm2", "threads": 2})
     ids = engines["float"].encode(PROMPT)
     # the prompt repeated past `long` tokens (16 tokens a copy at least), cut there
