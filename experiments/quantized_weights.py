@@ -19,6 +19,7 @@ the machine's own).
 
 Run: python experiments/quantized_weights.py [--out experiments/results] [--reps 3]
      [--formats float,native,...] [--no-llama-cpp] [--quick]
+(--quick: float, native and int4 only, without llama.cpp)
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="few tokens, one run: a smoke test")
     args = ap.parse_args(argv)
     formats = ["float"] + [f for f in args.formats.split(",") if f in FORMATS and f != "float"]
+    if args.quick:  # a smoke test: the file's own format and one quantized at load
+        formats, args.no_llama_cpp = ["float", "native", "int4"], True
     from xlr_jax.bench.engines import LlamaCppRunner, leading_agreement, load_xlr, roofline
     from xlr_jax.bench.run import write_result
     from xlr_jax.planning.hardware import measure_bandwidth

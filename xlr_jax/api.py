@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import os
 import threading
@@ -94,14 +95,14 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
               else open_source(resolve_model(name_or_path), cache))
     hw = hardware or probe()
 
-    def make_plan() -> ExecutionPlan:
+    def make_plan(formats: str | None = weights) -> ExecutionPlan:
         return plan(hw, source.config,
                     Workload(max_context=max_context, max_batch=max_batch,
                              prefill_chunk=prefill_chunk, max_waiting=max_waiting,
                              max_step_tokens=max_step_tokens),
                     dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, num_pages=num_pages,
                     attn_impl=attn_impl, linear_impl=linear_impl,
-                    compiler_options=compiler_options, weights=weights)
+                    compiler_options=compiler_options, weights=formats)
 
     execution = make_plan()
     compute = jnp.dtype(execution.compute_dtype)
@@ -111,7 +112,10 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     # takes the kernels it may use, before anything is compiled (its dtypes stay)
     if (kernels and "cpu" not in (execution.attn_impl, execution.linear_impl)
             and cpu_kernels.build_error(wait_s=cpu_kernels.wait_s_for_load()) is None):
-        execution = make_plan()
+        # (the weights stay in the format they were read in, and the reason for it)
+        remade = make_plan(execution.weights)
+        execution = dataclasses.replace(remade, reasons={
+            **remade.reasons, "weights": execution.reasons["weights"]})
     # per-layer device params straight from the host arrays, which are then let go
     params, loaded.params = params_from_arrays(loaded.params, compute), None
     store = None

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from xlr_jax.errors import XlrError
-from xlr_jax.model.quantized import WEIGHTS
+from xlr_jax.model.weight_formats import WEIGHTS
 from xlr_jax.ops import IMPLS
 from xlr_jax.planning.mapper import LINEAR_IMPLS
 

@@ -29,6 +29,7 @@ from xlr_jax.loading.disk_cache import atomic_entry, file_digest, load_arrays, s
 from xlr_jax.loading.tokenizer import Tokenizer
 from xlr_jax.model.config import ModelConfig, RopeScaling
 from xlr_jax.model import quantized
+from xlr_jax.model.weight_formats import WEIGHTS
 from xlr_jax.model.family import Family, family, gguf_family
 
 log = logging.getLogger(__name__)
@@ -534,9 +535,9 @@ def load_weights(source: ModelSource | str | os.PathLike, dtype=np.float32,
     `quantized.GGUF_KEPT` kept quantized, the rest in `dtype`), "int8", "int4" or "fp8"
     (quantized at load; `model.quantized`).
     Norms, biases, routers and experts stay in `dtype`."""
-    if weights not in quantized.WEIGHTS:
+    if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; choose one of "
-                         f"{', '.join(quantized.WEIGHTS)}")
+                         f"{', '.join(WEIGHTS)}")
     start = time.perf_counter()
     if not isinstance(source, ModelSource):
         source = open_source(source, cache_dir)

@@ -29,12 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlr_jax.model.weight_formats import FORMATS
 from xlr_jax.pytree import pytree_dataclass
 
-# how a load holds the weight matrices: in the compute dtype, in a GGUF's own formats
-# (those of GGUF_KEPT), or quantized at load to one of FORMATS
-FORMATS = ("int8", "int4", "fp8")
-WEIGHTS = ("float", "native") + FORMATS
 GROUP = {"int4": 32, "int8": 32}  # a format's group at load; fp8: one group a row
 # bytes a weight takes in each format at load (fp8's one scale a row left out)
 BYTES_PER_VALUE = {"int8": (32 + 2) / 32, "int4": (16 + 4) / 32, "fp8": 1.0}

@@ -86,6 +86,14 @@ def build_error(target: str | None = None, *, wait_s: float = 0.0,
         return None if state is None else state[0]
 
 
+def may_run(target: str | None = None) -> bool:
+    """Whether the kernels for `target` are registered or may still be (a build under way
+    or not yet tried), not off for good in this process."""
+    build_error(target)
+    state = _state.get(target or default_target())
+    return state is None or not state[1]
+
+
 def wait_s_for_load() -> float:
     """How long a model load waits for a kernel build under way: $XLR_KERNEL_WAIT seconds
     (default LOAD_WAIT_S; 0: never, XLA's ops until a later load finds the library)."""

@@ -13,15 +13,15 @@ import jax.numpy as jnp
 
 from xlr_jax.errors import PlanError
 from xlr_jax.kv.pages import pages_for
-from xlr_jax.model import quantized
 from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.weight_formats import FORMATS
 from xlr_jax.planning.hardware import HardwareProfile
 from xlr_jax.planning.mapper import (PAGE_SIZE, PREFILL_CHUNK, Workload, attention_for,
                                      memory_budget, plan, weight_bytes)
 
 # weight formats the runtime runs: float, or matrices quantized at load (model.quantized;
 # experts, norms and biases in the compute dtype: bf16 on a GPU, f32 on a CPU)
-WEIGHT_FORMATS = ("float32", "bfloat16") + quantized.FORMATS
+WEIGHT_FORMATS = ("float32", "bfloat16") + FORMATS
 KV_FORMATS = ("float32", "bfloat16", "int8", "float8_e4m3fn")
 MAX_BATCH = 4096  # the search's ceiling
 
@@ -31,7 +31,7 @@ def fit_row(hw: HardwareProfile, config: ModelConfig, weights: str, kv: str,
     """One format pair: its bytes, and what fits (`fits` False with `why` if nothing)."""
     ps, chunk = PAGE_SIZE[hw.backend], PREFILL_CHUNK[hw.backend]
     impl = attention_for(hw, config, kv, ps)[0]
-    kept = weights in quantized.FORMATS
+    kept = weights in FORMATS
     compute = ("bfloat16" if hw.backend == "gpu" else "float32") if kept else weights
     fmt = weights if kept else "float"
     row = {"weights": weights, "kv": kv,

@@ -21,6 +21,7 @@ from xlr_jax.kv.paged_kv import is_quantized
 from xlr_jax.kv.pages import pages_for
 from xlr_jax.model import quantized
 from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.weight_formats import FORMATS, WEIGHTS
 from xlr_jax.ops import IMPLS, cpu_attention, cpu_kernels, cpu_linear, walk_sizes
 from xlr_jax.planning.buckets import ATTN_BLOCK_PAGES, REDUCE_ROWS, Buckets, buckets_for
 from xlr_jax.planning.hardware import HardwareProfile
@@ -98,7 +99,7 @@ class ExecutionPlan:
     backend: str
     device_name: str
     compute_dtype: str
-    weights: str                   # the weight matrices' format (model.quantized.WEIGHTS)
+    weights: str                   # the weight matrices' format (model.WEIGHTS)
     kv_dtype: str
     page_size: int
     num_pages: int
@@ -234,22 +235,26 @@ def _cpu_linear(compute: str) -> tuple[str, str]:
     return "xla", f"CPU: XLA's products (the few-row kernel is off: {why})"
 
 
-def _weights_for(gpu: bool, linear: str) -> tuple[str, str]:
+def _weights_for(hw: HardwareProfile, linear_impl: str) -> tuple[str, str]:
     """The weight format a plan keeps by default, and why: a GGUF's quantized matrices as
     they are where the quantized product is at least as fast as float's on this machine
-    (the CPU kernels built for AVX-512), else float. A float file loads as float either
-    way."""
-    lanes = 0 if gpu else (cpu_kernels.vector_lanes() or 0)
-    if not gpu and linear == "cpu" and lanes >= 16:
+    (the CPU kernels for AVX-512), else float. A float file loads as float either way.
+    Decided before a first kernel build is done (a load overlaps the two): from the
+    hardware, unless the kernels are off for good or by request."""
+    if hw.backend == "gpu":
+        return "float", ("GPU: quantized weights would be dequantized for XLA's dot (no "
+                         "fused kernel measured yet)")
+    if linear_impl == "xla" or not cpu_kernels.may_run():
+        return "float", "CPU: the quantized kernel is off (XLA would dequantize for its dot)"
+    lanes = cpu_kernels.vector_lanes() or (
+        16 if hw.cpu_vector_bits >= 512 and cpu_kernels.default_target() == "native" else 8)
+    if lanes >= 16:
         return "native", (
             "CPU, AVX-512 kernels: a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices kept quantized "
             "(a float file loads as float): on the embedded model's Q4_1 file the quantized "
             "kernel decodes 1.8x faster than f32 in 18% of its bytes and prefills 1,024 "
             "tokens in 0.9x its time (experiments/quantized_weights.py)")
     return "float", (
-        "GPU: quantized weights would be dequantized for XLA's dot (no fused kernel yet)"
-        if gpu else "CPU: the quantized kernel is off (XLA would dequantize for its dot)"
-        if linear != "cpu" else
         f"CPU, {lanes}-float kernels: the quantized kernel decoded the Q4_1 file 0.96x as "
         "fast as f32 and prefilled 1.2x slower (AVX2, experiments/quantized_weights.py); "
         "weights='native' keeps it quantized for the memory")
@@ -331,10 +336,10 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         raise PlanError("linear_impl 'cpu' needs the CPU backend and its kernels ("
                         f"{'this is a GPU' if gpu else cpu_kernels.build_error()}); "
                         "use 'auto' or 'xla'")
-    formats = choose("weights", weights, *_weights_for(gpu, linear))
-    if formats not in quantized.WEIGHTS:
+    formats = choose("weights", weights, *_weights_for(hardware, linear_impl))
+    if formats not in WEIGHTS:
         raise PlanError(f"weights {formats!r} is not supported; choose one of "
-                        f"{', '.join(quantized.WEIGHTS)}")
+                        f"{', '.join(WEIGHTS)}")
 
     wide = not gpu and hardware.cpu_vector_bits >= 512
     xla = choose("compiler_options", compiler_options,
@@ -453,7 +458,7 @@ def weight_bytes(config: ModelConfig, compute: str, weights: str = "float") -> f
     experts, norms and biases stay in `compute`; "native" counts as `compute`, a bound:
     the file's own formats are not in the config)."""
     whole = config.num_params() * _itemsize(compute)
-    if weights not in quantized.FORMATS:
+    if weights not in FORMATS:
         return whole
     experts = config.moe_layers * config.num_experts * config.expert_params()
     return ((config.num_params() - experts) * quantized.BYTES_PER_VALUE[weights]

@@ -14,7 +14,7 @@ from typing import Any
 
 from xlr_jax.errors import InvalidRequestError
 from xlr_jax.model.config import ModelConfig
-from xlr_jax.model.quantized import WEIGHTS
+from xlr_jax.model.weight_formats import WEIGHTS
 from xlr_jax.speculative.drafts import ngram_propose
 
 MAX_GAMMA = 16
@@ -42,7 +42,7 @@ class SpecConfig:
     starts with a probation of exact cycles that measure the draft's agreement with the
     target, sum_v min(p, q) per draft token; below min_agreement the request stays on
     exact speculation (metrics["smc_fallback"] says why); 0 skips the probation.
-    draft_weights: a draft model's weight format (one of `model.quantized.WEIGHTS`, e.g.
+    draft_weights: a draft model's weight format (one of `model.weight_formats.WEIGHTS`, e.g.
     "int4" beside an "int8" target); default: the target's.
     """
 
