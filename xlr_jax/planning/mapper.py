@@ -255,9 +255,10 @@ def _weights_for(hw: HardwareProfile, linear_impl: str) -> tuple[str, str]:
             "kernel decodes 1.8x faster than f32 in 18% of its bytes and prefills 1,024 "
             "tokens in 0.9x its time (experiments/quantized_weights.py)")
     return "float", (
-        f"CPU, {lanes}-float kernels: the quantized kernel decoded the Q4_1 file 0.96x as "
-        "fast as f32 and prefilled 1.2x slower (AVX2, experiments/quantized_weights.py); "
-        "weights='native' keeps it quantized for the memory")
+        f"CPU, {lanes}-float kernels: the quantized kernel decoded the Q4_1 file 0.96-1.06x "
+        "as fast as f32 over two runs (8-bit values 1.4-1.7x), prefill 0.9-1.2x its time "
+        "(AVX2, experiments/quantized_weights.py): float; weights='native' keeps the file "
+        "quantized for its memory")
 
 
 def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Workload(),
