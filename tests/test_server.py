@@ -129,16 +129,17 @@ def _assert_openai_error(response, status: int):
     return error
 
 
-def test_a_server_on_quantized_weights_answers_as_the_float_one(server, cache_dir, tmp_path):
-    """`xlr serve --weights native` (the file's Q4_1 blocks kept quantized): the same
-    greedy answer as the float server's, whole and streamed."""
-    native = _start(cache_dir, tmp_path, "--weights", "native")
+def test_a_server_on_float_weights_answers_as_the_quantized_one(server, cache_dir, tmp_path):
+    """`xlr serve --weights float` (the file dequantized to f32) gives the same greedy
+    answer, whole and streamed, as the server on the plan's weights (on an AVX-512 CPU
+    the file's Q4_1 blocks kept quantized: the same dequantized values)."""
+    dense = _start(cache_dir, tmp_path, "--weights", "float")
     try:
         messages = [{"role": "user", "content": "Name three colors."}]
         want = _chat(server, messages, max_tokens=24).json()["choices"][0]["message"]
-        got = _chat(native, messages, max_tokens=24).json()["choices"][0]["message"]
+        got = _chat(dense, messages, max_tokens=24).json()["choices"][0]["message"]
         assert got["content"] == want["content"] and want["content"]
-        with native.http.stream("POST", "/v1/chat/completions", json={
+        with dense.http.stream("POST", "/v1/chat/completions", json={
                 "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 24,
                 "stream": True}) as response:
             events = _sse_events(response)
@@ -146,8 +147,8 @@ def test_a_server_on_quantized_weights_answers_as_the_float_one(server, cache_di
                        for e in events[:-1] if e["choices"])
         assert text == want["content"]
     finally:
-        native.proc.kill()
-        native.proc.wait(30)
+        dense.proc.kill()
+        dense.proc.wait(30)
 
 
 # ------------------------------------------------------------------ probes
