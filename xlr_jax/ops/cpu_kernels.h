@@ -1,7 +1,8 @@
-// What the CPU kernels (paged_attention.cc, linear.cc, quantized_linear.cc) share: vectors as wide as the
-// target's registers, a task loop over a pool of threads, and their entry points, which
-// ffi_bindings.cc binds to XLA's FFI (XLA's intra-op threads as the pool). Only that file
-// includes XLA's header: parsing it takes 1.7 s of every file that does.
+// What the CPU kernels (paged_attention.cc, linear.cc, quantized_linear.cc) share:
+// vectors as wide as the target's registers, a task loop over a pool of threads, and
+// their entry points, which ffi_bindings.cc binds to XLA's FFI (XLA's intra-op threads as
+// the pool). Only that file includes XLA's header: parsing it takes 1.7 s of every file
+// that does.
 //
 // The width is the compiler's choice from the target it builds for (-march): 16 floats
 // with AVX-512, 8 with AVX/AVX2, 4 elsewhere (SSE2, NEON, or scalar code where the target
@@ -124,7 +125,6 @@ const char* paged_attention(Pool& pool, const Attention& a);
 // of 16
 void linear(Pool& pool, const float* x, const float* w, int64_t rows, int64_t d, int64_t n,
             float* out);
-
 
 // out[r, o] = x[r] . w[o] with w kept quantized (quantized_linear.cc): x [rows, d] f32; q
 // the values, [n, d / 2] bytes for 4 bits, [n, d] for 8-bit integers and fp8 e4m3; one

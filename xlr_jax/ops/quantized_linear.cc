@@ -6,9 +6,10 @@
 //           j + group / 2 (high nibble); w = scale * q + minimum
 //   8 bits  q [n, d] signed bytes; w = scale * q
 //   fp8     q [n, d] e4m3 bytes; w = scale * q
-// A weight row is read once for all the rows of x (up to kMaxRows at a time, one vector
-// accumulator each), and output rows are spread over XLA's intra-op threads. Decode (one
-// row) reads a quarter (4 bits) or a little over a quarter (8 bits) of f32's bytes.
+// Up to kMaxRows rows of x (decode, verify rows) a weight row is read once for all of
+// them, one vector accumulator each; more rows (a prefill chunk) run down a dequantized
+// tile (tile_rows). Output rows are spread over XLA's intra-op threads. Decode reads a
+// quarter (4 bits) or a little over a quarter (8 bits) of f32's bytes.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -29,10 +30,8 @@ using xlr::vi;
 constexpr int64_t kTaskRows = 16;  // output rows a task computes
 // rows of x folded against a weight row at a time: an accumulator each, beside the
 // group's dequantized vectors
+// (past it a weight row would be dequantized again for each pass: tile_rows instead)
 constexpr int kMaxRows = xlr::kRegisters >= 32 ? 8 : 4;
-// past this many rows of x, a weight row is dequantized once into a tile for the f32
-// product's loops, not again for each pass of kMaxRows
-constexpr int64_t kFoldRows = kMaxRows;
 
 typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
 
@@ -78,6 +77,14 @@ inline float to_float(uint16_t h) {
 
 inline float to_float(float s) { return s; }
 
+// kLanes bytes of a 4-bit group as floats: the low nibbles' values and the high ones'
+inline void nibble_values(const uint8_t* p, vf scale, vf minimum, vf& lo, vf& hi) {
+  vu8 b;
+  std::memcpy(&b, p, sizeof b);
+  lo = to_float(b & 15) * scale + minimum;
+  hi = to_float(b >> 4) * scale + minimum;
+}
+
 // out[j * n] = x row j . w row (4 bits) for RX rows of x; S the scales' type
 template <int RX, typename S>
 void q4_row(const float* x, int64_t d, int64_t group, const uint8_t* q, const S* scales,
@@ -90,10 +97,8 @@ void q4_row(const float* x, int64_t d, int64_t group, const uint8_t* q, const S*
     const uint8_t* bytes = q + g * half;
     const float* xg = x + g * group;
     for (int64_t c = 0; c < half; c += kLanes) {
-      vu8 b;
-      std::memcpy(&b, bytes + c, sizeof b);
-      const vf lo = to_float(b & 15) * scale + minimum;
-      const vf hi = to_float(b >> 4) * scale + minimum;
+      vf lo, hi;
+      nibble_values(bytes + c, scale, minimum, lo, hi);
       for (int j = 0; j < RX; ++j) {
         acc[j] += lo * load(xg + j * d + c);
         acc2[j] += hi * load(xg + j * d + half + c);
@@ -163,10 +168,10 @@ void dequantize_row(Values values, const uint8_t* q, const S* scales, const S* m
       const vf minimum = xlr::splat(to_float(minimums[g]));
       const int64_t half = group / 2;
       for (int64_t c = 0; c < half; c += kLanes) {
-        vu8 b;
-        std::memcpy(&b, q + g * half + c, sizeof b);
-        xlr::store(og + c, to_float(b & 15) * scale + minimum);
-        xlr::store(og + half + c, to_float(b >> 4) * scale + minimum);
+        vf lo, hi;
+        nibble_values(q + g * half + c, scale, minimum, lo, hi);
+        xlr::store(og + c, lo);
+        xlr::store(og + half + c, hi);
       }
     } else {
       const vf offset = xlr::splat(-128 * s);
@@ -224,17 +229,16 @@ TileFn tile_for(int64_t rows, std::integer_sequence<int, Rs...>) {
 
 template <typename S>
 void product(xlr::Pool& pool, const xlr::QuantizedProduct& p) {
-  const int64_t passes = (p.rows + kMaxRows - 1) / kMaxRows;
-  const int64_t tasks = (p.n + kTaskRows - 1) / kTaskRows;
   const int64_t groups = p.d / p.group;
   const int64_t row_bytes = p.values == Values::kInt4 ? p.d / 2 : p.d;
   const S* scales = static_cast<const S*>(p.scales);
   const S* minimums = static_cast<const S*>(p.minimums);
 
-  if (p.rows > kFoldRows) {  // see tile_rows
+  if (p.rows > kMaxRows) {  // see tile_rows
     xlr::run_tasks(pool, (p.n + kTile - 1) / kTile, [&](int64_t t) {
       const int64_t o0 = t * kTile, columns = std::min(p.n - o0, int64_t{kTile});
-      std::vector<float> rows(kTile * p.d), wt(kTile * p.d);  // (zeros past the last)
+      // the tile's rows as dequantized (zeros past the last), then k-major
+      std::vector<float> rows(kTile * p.d), wt(kTile * p.d);
       for (int64_t c = 0; c < columns; ++c)
         dequantize_row(p.values, p.q + (o0 + c) * row_bytes, scales + (o0 + c) * groups,
                        minimums ? minimums + (o0 + c) * groups : nullptr, p.d, p.group,
@@ -250,20 +254,13 @@ void product(xlr::Pool& pool, const xlr::QuantizedProduct& p) {
     return;
   }
 
-  auto run = [&](int64_t t) {
-    const int64_t o1 = std::min(p.n, (t + 1) * kTaskRows);
-    for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
-      const int64_t size = (p.rows - r) / (passes - pass);  // the rest, shared evenly
-      const RowFn<S> fold =
-          row_for<S>(p.values, size, std::make_integer_sequence<int, kMaxRows>{});
-      for (int64_t o = t * kTaskRows; o < o1; ++o)
-        fold(p.x + r * p.d, p.d, p.group, p.q + o * row_bytes, scales + o * groups,
-             minimums ? minimums + o * groups : nullptr, p.n, p.out + r * p.n + o);
-      r += size;
-    }
-  };
-
-  xlr::run_tasks(pool, tasks, run);
+  const RowFn<S> fold =
+      row_for<S>(p.values, p.rows, std::make_integer_sequence<int, kMaxRows>{});
+  xlr::run_tasks(pool, (p.n + kTaskRows - 1) / kTaskRows, [&](int64_t t) {
+    for (int64_t o = t * kTaskRows; o < std::min(p.n, (t + 1) * kTaskRows); ++o)
+      fold(p.x, p.d, p.group, p.q + o * row_bytes, scales + o * groups,
+           minimums ? minimums + o * groups : nullptr, p.n, p.out + o);
+  });
 }
 
 }  // namespace
