@@ -5,6 +5,7 @@ One server (started with an API key, a request log and a small waiting queue) se
 every live test of this module; the SIGTERM test, last, stops it.
 """
 import json
+import os
 import re
 import signal
 import socket
@@ -75,14 +76,19 @@ class LiveServer:
             if path.exists() else []
 
 
-def _start(cache_dir, tmp, *extra) -> LiveServer:
+def _start(cache_dir, tmp, *extra, devices: int | None = None) -> LiveServer:
+    """`xlr serve` on a free port; `devices`: that many virtual CPU devices."""
     port = _free_port()
     stderr_path = tmp / "server.stderr"
+    env = dict(os.environ)
+    if devices is not None:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
+                            + f" --xla_force_host_platform_device_count={devices}").strip()
     proc = subprocess.Popen(
         [sys.executable, "-m", "xlr_jax.cli", "serve", MODEL, "--port", str(port),
          "--cache-dir", str(cache_dir), "--api-key", KEY, "--request-log", str(tmp / "log"),
          "--max-waiting", str(MAX_WAITING), "--drain-timeout", "60", *extra],
-        stdout=subprocess.DEVNULL, stderr=stderr_path.open("w"))
+        stdout=subprocess.DEVNULL, stderr=stderr_path.open("w"), env=env)
     server = LiveServer(proc, port, tmp / "log", stderr_path)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -129,11 +135,15 @@ def _assert_openai_error(response, status: int):
     return error
 
 
-def test_a_server_on_float_weights_answers_as_the_quantized_one(server, cache_dir, tmp_path):
-    """`xlr serve --weights float` (the file dequantized to f32) gives the same greedy
-    answer, whole and streamed, as the server on the plan's weights (on an AVX-512 CPU
-    the file's Q4_1 blocks kept quantized: the same dequantized values)."""
-    dense = _start(cache_dir, tmp_path, "--weights", "float")
+def test_a_server_on_float_weights_split_over_three_devices_answers_as_the_default(
+        server, cache_dir, tmp_path):
+    """`xlr serve --weights float --tensor-parallel 3` (the file dequantized to f32, each
+    layer split over the server's 3 virtual CPU devices) gives the same greedy
+    answer, whole and streamed, as the server on the plan's weights and one device (on
+    an AVX-512 CPU the file's Q4_1 blocks kept quantized: the same dequantized values)."""
+    dense = _start(cache_dir, tmp_path, "--weights", "float", "--tensor-parallel", "3",
+                   devices=3)
+    assert "each layer split over 3 devices" in dense.stderr_path.read_text()
     try:
         messages = [{"role": "user", "content": "Name three colors."}]
         want = _chat(server, messages, max_tokens=24).json()["choices"][0]["message"]

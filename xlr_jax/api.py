@@ -20,6 +20,7 @@ from xlr_jax.loading.prompts import PromptEncoder
 from xlr_jax.loading.registry import default_cache_dir, resolve_model
 from xlr_jax.loading.weights import ModelSource, load_weights, open_source
 from xlr_jax.model.decoder import params_from_arrays
+from xlr_jax.model.tensor_parallel import TensorParallel, make_mesh
 from xlr_jax.model.executables import ExecutableStore, fingerprint
 from xlr_jax.model.sampling_params import SamplingParams
 from xlr_jax.ops import cpu_kernels
@@ -41,6 +42,7 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                prefix_cache: bool = True, cache_dir: str | os.PathLike | None = None,
                params_cache: bool = True, compile_cache: bool = True,
                compiler_options: dict | None = None, weights: str | None = None,
+               tensor_parallel: int | None = None, expert_parallel: bool | None = None,
                prefix_disk_quota: int = DEFAULT_QUOTA) -> "Model":
     """Load a model: "smollm2" (embedded), a .gguf file, a Hugging Face directory, or a
     source `xlr_jax.loading.weights.open_source` opened (with the same cache_dir).
@@ -53,6 +55,11 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     Q4_1, Q8_0, Q4_K and Q6_K matrices kept quantized), "int8" or "int4" (quantized at
     load, in groups of 32) or "fp8" (e4m3, a scale a row); default: the plan's
     (`model.plan.reasons["weights"]` says why).
+    tensor_parallel: devices each layer is split over (a JAX mesh's "model" axis: heads
+    and FFN columns per device, two all-reduces a layer; model.tensor_parallel); default:
+    the plan's (one device where the weights fit one). expert_parallel: split that way,
+    a MoE's experts go whole to the devices (E / N each) instead of each split by its FFN
+    width; default: wherever they divide evenly.
     page_size, num_pages: the KV page pool.
     max_batch: sequences decoded together; prefill_chunk: tokens per prefill call.
     max_waiting: requests queued beyond the running batch before `submit` raises
@@ -102,7 +109,8 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                              max_step_tokens=max_step_tokens),
                     dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, num_pages=num_pages,
                     attn_impl=attn_impl, linear_impl=linear_impl,
-                    compiler_options=compiler_options, weights=formats)
+                    compiler_options=compiler_options, weights=formats,
+                    tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
 
     execution = make_plan()
     compute = jnp.dtype(execution.compute_dtype)
@@ -116,20 +124,24 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
         remade = make_plan(execution.weights)
         execution = dataclasses.replace(remade, reasons={
             **remade.reasons, "weights": execution.reasons["weights"]})
+    # the mesh the plan splits each layer over (model.tensor_parallel), if more than one
+    tp = (TensorParallel(make_mesh(execution.tensor_parallel), execution.expert_parallel)
+          if execution.tensor_parallel > 1 else None)
     # per-layer device params straight from the host arrays, which are then let go
-    params, loaded.params = params_from_arrays(loaded.params, compute), None
+    params, loaded.params = params_from_arrays(loaded.params, compute, source.config, tp), None
     store = None
     if compile_cache:
         _use_compilation_cache(cache_root)
         store = ExecutableStore(cache_root / "executables" / _steps_fingerprint(
-            source.config, execution, params))
+            source.config, execution, params), tp and list(tp.mesh.devices.flat))
         store.preload()  # read on other threads while the KV pool is allocated
     # cached KV is only valid for the same weights, dtype and page layout
     namespace = (f"{loaded.source_hash}-{execution.compute_dtype}-{execution.kv_dtype}"
-                 f"-{execution.page_size}")
+                 f"-{execution.page_size}" + (f"-tp{tp.size}" if tp else ""))
     engine = Engine(source.config, params, source.tokenizer, execution,
                     prefix_cache=prefix_cache, cache_namespace=namespace,
-                    tier_store=TierStore(cache_root / "prefix", namespace, prefix_disk_quota))
+                    tier_store=TierStore(cache_root / "prefix", namespace, prefix_disk_quota),
+                    tp=tp)
     preloaded = engine.runner.use_step_store(store) if store else 0
     load_info = {"load_s": time.perf_counter() - start, "params_s": loaded.load_s,
                  "params_from_cache": loaded.from_cache,
@@ -147,7 +159,8 @@ def _steps_fingerprint(config, execution: ExecutionPlan, params) -> str:
     return fingerprint([config.to_json(), e.compute_dtype, e.kv_dtype, e.page_size,
                         e.num_pages, e.buckets.table_width, e.attn_block_pages, e.attn_impl,
                         e.reduce_rows, e.linear_impl, e.kernel_rows,
-                        sorted(e.compiler_options.items())], params)
+                        sorted(e.compiler_options.items()), sorted(e.mesh.items()),
+                        e.expert_parallel], params)
 
 
 def _use_compilation_cache(cache_root: Path) -> None:
@@ -371,8 +384,11 @@ class Model:
                 f"target's is {self.config.vocab_size}; a draft must share the tokenizer")
         size = draft_bytes(self.plan, config, path, taken=sum(self._draft_bytes.values()),
                            weights=weights)
+        tp = self.engine.runner.tp  # a draft splits over the target's mesh
+        if tp is not None:
+            tp.check(config)
         loaded = load_weights(source, dtype=np.dtype(self.dtype), weights=weights)
-        params = params_from_arrays(loaded.params, jnp.dtype(self.dtype))
+        params = params_from_arrays(loaded.params, jnp.dtype(self.dtype), config, tp)
         return ModelDraft(str(path), config, params), size
 
     def _submit(self, encoded, params: SamplingParams, speculative,

@@ -86,11 +86,12 @@ def load_xlr(spec: dict) -> XlrRunner:
                        compiler_options=spec.get("compiler_options"),
                        attn_impl=spec.get("attn_impl", "auto"),
                        linear_impl=spec.get("linear_impl", "auto"),
-                       max_step_tokens=spec.get("max_step_tokens"))
+                       max_step_tokens=spec.get("max_step_tokens"),
+                       tensor_parallel=spec.get("tensor_parallel"))
     info = {"model": spec["model"], "dtype": model.dtype, "weights": model.plan.weights,
             "param_bytes": model.engine.runner.params.nbytes(),
             "attn_impl": model.plan.attn_impl, "linear_impl": model.plan.linear_impl,
-            "max_step_tokens": model.plan.max_step_tokens,
+            "max_step_tokens": model.plan.max_step_tokens, "mesh": model.plan.mesh,
             "compiler_options": model.plan.compiler_options,
             "prefix_cache": model.prefix_cache is not None,
             "check_targets": spec.get("check_targets", True)}

@@ -32,6 +32,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear-impl", choices=LINEAR_IMPLS, default="auto",
                    help="a step's weight products of a few rows: XLA's or the CPU's few-row "
                         "kernel (auto: the kernel on the CPU with float32 weights)")
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="split each layer over N devices (a JAX mesh: query heads and FFN "
+                        "columns per device, two all-reduces a layer); default: the plan's "
+                        "(1 where the weights fit one device)")
     p.add_argument("--cache-dir", default=None,
                    help="where converted params and compiled steps are cached "
                         "(default ~/.cache/xlr-jax)")
@@ -64,9 +68,11 @@ def _load(args, source=None, **options):
     model = load_model(source or args.model, dtype=args.dtype, weights=args.weights,
                        kv_dtype=args.kv_dtype,
                        attn_impl=args.attn_impl, linear_impl=args.linear_impl,
-                       cache_dir=args.cache_dir,
+                       tensor_parallel=args.tensor_parallel, cache_dir=args.cache_dir,
                        prefix_cache=not args.no_prefix_cache, **options)
-    print(f"loaded in {model.load_info['load_s']:.2f} s ({_load_summary(model.load_info)})",
+    split = model.plan.tensor_parallel
+    print(f"loaded in {model.load_info['load_s']:.2f} s ({_load_summary(model.load_info)})"
+          + (f", each layer split over {split} devices" if split > 1 else ""),
           file=sys.stderr, flush=True)
     say_kernels_off(model.plan)
     return model

@@ -1,6 +1,7 @@
 """`xlr probe`, `xlr plan` and `xlr roofline`: the hardware, the Execution Plan, the limits."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -38,7 +39,7 @@ def _plan_for(args):
     options = dict(dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
                    page_size=args.page_size,
                    num_pages=args.num_pages, attn_impl=args.attn_impl,
-                   linear_impl=args.linear_impl)
+                   linear_impl=args.linear_impl, tensor_parallel=args.tensor_parallel)
     workload = dict(max_context=args.max_context, max_batch=args.max_batch,
                     prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens)
     if args.warmup:
@@ -48,7 +49,8 @@ def _plan_for(args):
                            prefix_cache=not args.no_prefix_cache, **options, **workload)
         return model.plan, model, model.config
     config = _model_config(args.model)
-    return plan(_hardware(args.hardware), config, Workload(**workload), **options), None, config
+    return (plan(_hardware(args.hardware, args.devices), config, Workload(**workload), **options),
+            None, config)
 
 
 def cmd_plan(args) -> int:
@@ -98,7 +100,7 @@ def _experts(config) -> str:
 def _print_fit(args) -> int:
     from xlr_jax.planning.fit import fit
 
-    hw, config = _hardware(args.hardware), _model_config(args.model)
+    hw, config = _hardware(args.hardware, args.devices), _model_config(args.model)
     table = fit(hw, config, args.context)
     if args.json:
         print(json.dumps({"model": args.model, **table}, indent=2))
@@ -123,15 +125,19 @@ def _print_fit(args) -> int:
     return 0
 
 
-def _hardware(name: str):
+def _hardware(name: str, devices: int | None = None):
+    """This machine's profile, or a preset's; `devices`: that many of the device."""
     from xlr_jax.planning.hardware import preset, probe
 
-    if name == "this":
-        return probe()
     try:
-        return preset(name)
+        hw = probe() if name == "this" else preset(name)
     except ValueError as e:
         raise InvalidRequestError(str(e) + "; or 'this' for this machine") from None
+    if devices is None:
+        return hw
+    if devices < 1:
+        raise InvalidRequestError(f"--devices must be a positive integer (got {devices})")
+    return dataclasses.replace(hw, device_count=devices)
 
 
 def _model_config(name: str):
@@ -149,13 +155,27 @@ def _model_config(name: str):
 
 
 def cmd_roofline(args) -> int:
+    from xlr_jax.model.tensor_parallel import problem
     from xlr_jax.planning.roofline import estimate, measured_points, plot
 
-    hw = _hardware(args.hardware)
+    n = args.tensor_parallel
+    hw = _hardware(args.hardware, n)
     config = _model_config(args.model)
-    figures = estimate(config, hw, prompt=args.prompt, batch=args.batch, context=args.context,
-                       weight_bytes=args.weight_bytes, kv_bytes=args.kv_bytes,
-                       name=Path(args.model).name)
+    if (why := problem(config, n)) is not None:
+        raise InvalidRequestError(f"--tensor-parallel {n}: {why}")
+
+    def figures_for(split: int) -> dict:
+        return estimate(config, hw, prompt=args.prompt, batch=args.batch, context=args.context,
+                        weight_bytes=args.weight_bytes, kv_bytes=args.kv_bytes,
+                        name=Path(args.model).name, tensor_parallel=split)
+
+    figures = figures_for(n)
+    if n > 1:  # decode over each split up to n: where the all-reduces take over
+        figures["scaling"] = [
+            {"tensor_parallel": k, "itl_s": f["itl_s"], "decode_comm_share":
+             f["decode_comm_share"], "ttft_s": f["ttft_s"]}
+            for k in range(1, n + 1) if problem(config, k) is None
+            for f in [figures_for(k)]]
     if args.plot:
         points = [p for f in args.measured for p in measured_points(json.loads(Path(f).read_text()))]
         plot(figures, hw, args.plot, points)
@@ -163,7 +183,8 @@ def cmd_roofline(args) -> int:
     if args.json:
         print(json.dumps(figures, indent=2))
         return 0
-    print(f"{figures['model']} on {hw.device_name} ({hw.peak_bandwidth_gb_s:.0f} GB/s, "
+    split = f" x {n}, a device's share" if n > 1 else ""
+    print(f"{figures['model']} on {hw.device_name}{split} ({hw.peak_bandwidth_gb_s:.0f} GB/s, "
           f"{hw.peak_tflops:g} TFLOP/s, ridge {hw.ridge_flops_per_byte:.0f} FLOP/B): "
           f"{figures['params'] / 1e9:.2f} B params, {figures['active_params_per_token'] / 1e9:.2f} B "
           f"active per token, KV {figures['kv_bytes_per_token'] / 1e3:.0f} kB/token")
@@ -175,6 +196,19 @@ def cmd_roofline(args) -> int:
         print(f"{label + (' (' + unit + ')' if unit else ''):>18} {fmt(pre):>14} {fmt(dec):>14}")
     print(f"{'time':>18} {figures['ttft_s'] * 1e3:>11.1f} ms {figures['itl_s'] * 1e3:>11.2f} ms"
           f"   (TTFT, ITL; {figures['decode_tokens_per_s']:,.0f} tok/s decode)")
+    if n > 1:
+        print(f"{'all-reduces':>18} {figures['prefill_comm_s'] * 1e3:>11.1f} ms "
+              f"{figures['decode_comm_s'] * 1e3:>11.2f} ms   (2 a layer, "
+              f"{hw.interconnect_gb_s:g} GB/s link a direction)")
+        print(f"\n{'tensor parallel':>18} {'ITL':>10} {'all-reduce share':>17}")
+        for row in figures["scaling"]:
+            print(f"{row['tensor_parallel']:>18} {row['itl_s'] * 1e3:>7.2f} ms "
+                  f"{row['decode_comm_share']:>16.0%}")
+        dominated = [r["tensor_parallel"] for r in figures["scaling"]
+                     if r["decode_comm_share"] > 0.5]
+        print("communication dominates decode from tensor parallel "
+              f"{dominated[0]} on" if dominated else
+              f"communication stays under half of decode up to tensor parallel {n}")
     if figures["weight_bytes"] > figures["device_memory_bytes"]:
         print(f"note: the weights ({figures['weight_bytes'] / 1e9:.0f} GB) exceed "
               f"{hw.device_name}'s {figures['device_memory_bytes'] / 1e9:.0f} GB: the figures "
@@ -206,6 +240,9 @@ def add_cli(sub, add_model_options) -> None:
     p.add_argument("--hardware", default="this",
                    help="plan for a GPU from the table (h200, h100, a100-80gb, rtx4090, "
                         "rtx3090, ...) instead of this machine ('this', the default)")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="plan for N such devices (default: the machine's count, one for a "
+                        "--hardware preset); a model too big for one is split over them")
     p.add_argument("--fit", action="store_true",
                    help="what fits: each weight format x KV dtype, with its bytes, the "
                         "longest context and the most sequences that fit, and the plan's pick")
@@ -232,6 +269,9 @@ def add_cli(sub, add_model_options) -> None:
                    help="decode context (default: the prompt length)")
     p.add_argument("--weight-bytes", type=float, default=2, help="bytes per weight (bf16: 2)")
     p.add_argument("--kv-bytes", type=float, default=2, help="bytes per KV value (bf16: 2)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="each layer split over N devices: a device's figures, the "
+                        "all-reduces over the device's link, and decode for each split to N")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--plot", metavar="PNG", default=None, help="draw the roofline to a PNG")
     p.add_argument("--measured", nargs="*", default=[], metavar="JSON",

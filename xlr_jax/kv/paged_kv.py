@@ -51,12 +51,15 @@ class PagedKV:
 
     @classmethod
     def create(cls, *, num_layers, num_kv_heads, head_dim, num_pages, page_size,
-               dtype=jnp.float32) -> "PagedKV":
+               dtype=jnp.float32, sharding=None) -> "PagedKV":
+        """Zeroed pages (scales of one); `sharding`: every leaf's, e.g. split by KV head
+        over a mesh (model.tensor_parallel)."""
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
         # two separate buffers: the steps donate each leaf
-        scales = ([jnp.ones(shape[:-1], jnp.float32) for _ in "kv"] if is_quantized(dtype)
-                  else [None, None])
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), *scales)
+        scales = ([jnp.ones(shape[:-1], jnp.float32, device=sharding) for _ in "kv"]
+                  if is_quantized(dtype) else [None, None])
+        return cls(jnp.zeros(shape, dtype, device=sharding),
+                   jnp.zeros(shape, dtype, device=sharding), *scales)
 
     @property
     def page_size(self) -> int:

@@ -15,11 +15,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import shard_map
+from jax.sharding import PartitionSpec as P
 
 from xlr_jax.kv.paged_kv import PagedKV, write_layer
 from xlr_jax.kv.pages import SCRATCH_PAGE
 from xlr_jax.model.config import ModelConfig, RopeScaling
 from xlr_jax.model.quantized import QuantizedTensor
+from xlr_jax.model.tensor_parallel import TensorParallel, shard_layer
 from xlr_jax.ops import cpu_kernels, cpu_linear, paged_attention, resolve_impl, soft_cap
 from xlr_jax.pytree import pytree_dataclass
 from xlr_jax.model.step_batch import StepBatch
@@ -74,9 +77,11 @@ class Params:
         return self.replace(layers=layers)
 
 
-def params_from_arrays(arrays: dict, dtype=jnp.float32) -> Params:
+def params_from_arrays(arrays: dict, dtype=jnp.float32, config: ModelConfig | None = None,
+                       tp: TensorParallel | None = None) -> Params:
     """Device params, one buffer per layer, from the loader's nested dict of stacked
-    host arrays.
+    host arrays; with `tp` (and the model's `config`), laid out and split over its mesh
+    (model.tensor_parallel).
 
     Each layer's slice is put on the device by itself, so the device never holds the
     stacked weights beside the per-layer ones. On the CPU, a read-only, aligned host
@@ -84,19 +89,30 @@ def params_from_arrays(arrays: dict, dtype=jnp.float32) -> Params:
     """
     dtype = np.dtype(dtype)
 
-    def put(a, i=None):
+    def host(a):
         if isinstance(a, dict):  # a weight kept quantized: its arrays as they are
-            return QuantizedTensor(**{k: jax.device_put(np.asarray(v if i is None else v[i]))
-                                      for k, v in a.items()})
-        return jax.device_put(np.asarray(a if i is None else a[i], dtype))
+            return QuantizedTensor(**{k: np.asarray(v) for k, v in a.items()})
+        return np.asarray(a, dtype)
+
+    def put(tree, specs):  # a layer at a time: each host slice is let go once put
+        if tp is None:
+            return jax.tree.map(jax.device_put, tree)
+        return tp.place(tree, specs(tree))
 
     stacked = arrays["layers"]
-    layers = tuple(LayerParams(**{"bqkv": None, **{k: put(v, i) for k, v in stacked.items()}})
-                   for i in range(len(stacked["attn_norm"])))
+    layers = []
+    for i in range(len(stacked["attn_norm"])):
+        layer = {k: v if v is None else jax.tree.map(lambda a: a[i], v)
+                 for k, v in stacked.items()}
+        if tp is not None:
+            layer = shard_layer(layer, config, tp.size, tp.expert_parallel)
+        layer = LayerParams(**{"bqkv": None, **{k: host(v) for k, v in layer.items()}})
+        layers.append(put(layer, tp and tp.layer_specs))
     head = arrays.get("lm_head")
-    return Params(embed=put(arrays["embed"]), layers=layers,
-                  final_norm=put(arrays["final_norm"]),
-                  lm_head=None if head is None else put(head))
+    rest = put(Params(embed=host(arrays["embed"]), layers=(),
+                      final_norm=host(arrays["final_norm"]),
+                      lm_head=None if head is None else host(head)), tp and tp.param_specs)
+    return rest.replace(layers=tuple(layers))
 
 
 @lru_cache(maxsize=None)
@@ -174,13 +190,35 @@ def _layers(layers):
 
 
 def decoder(params: Params, kv: PagedKV, tokens, positions, page_ids, offsets, attend, *,
-            config: ModelConfig, products: RowProducts = RowProducts()):
+            config: ModelConfig, products: RowProducts = RowProducts(),
+            tp: TensorParallel | None = None):
     """The decoder over flat tokens [N] at `positions` [N]: each token's K/V goes to
     slot `offsets` of page `page_ids` (the scratch page for padding), and
     `attend(q [N, H, D], (k, v), scales, layer)` reads the pages (whatever layout the
     caller's batch has; `attention_options` says how for a layer). Returns the final
     hidden states [N, d] (after the final norm) and the new KV. `products`: see
-    `linear`."""
+    `linear`. `tp`: params and KV split over a mesh (model.tensor_parallel): the layers
+    run per shard, `attend` seeing a shard's heads."""
+    run = partial(_decoder, tokens=tokens, positions=positions, page_ids=page_ids,
+                  offsets=offsets, attend=attend, products=products)
+    if tp is None:
+        return run(params, kv, config=config, reduce=lambda x: x)
+    def shard(params, kv):
+        first = (jax.lax.axis_index(tp.axis) * (config.num_experts // tp.size)
+                 if tp.expert_parallel else None)
+        return run(params, kv, config=tp.shard_config(config), first_expert=first,
+                   reduce=partial(jax.lax.psum, axis_name=tp.axis))
+
+    kv_specs = tp.kv_specs(kv)
+    return shard_map(shard, mesh=tp.mesh, in_specs=(tp.param_specs(params), kv_specs),
+                     out_specs=(P(), kv_specs), check_vma=False)(params, kv)
+
+
+def _decoder(params: Params, kv: PagedKV, *, tokens, positions, page_ids, offsets, attend,
+             config: ModelConfig, products: RowProducts, reduce, first_expert=None):
+    """`decoder`'s layers on one shard's weights (all of them without a mesh); `reduce`
+    sums a row-split product's partial outputs over the shards; `first_expert`: the
+    first of the experts a shard holds (expert parallel), None: all of them."""
     c = config
     lin = lambda x, w: linear(x, w, products)  # noqa: E731
     tables = {}  # cos and sin per RoPE base: Gemma-3's windowed layers have their own
@@ -212,10 +250,11 @@ def decoder(params: Params, kv: PagedKV, tokens, positions, page_ids, offsets, a
         k_all, k_scale = write_layer(k_all, k_scale, i, page_ids, offsets, k)
         v_all, v_scale = write_layer(v_all, v_scale, i, page_ids, offsets, v)
         attn = attend(q, (k_all, v_all), None if k_scale is None else (k_scale, v_scale), i)
-        x = x + _post_norm(lin(attn.reshape(-1, c.q_size), lp.wo), lp.post_attn_norm, c)
+        x = x + _post_norm(reduce(lin(attn.reshape(-1, c.q_size), lp.wo)), lp.post_attn_norm, c)
         h = rms_norm(x, lp.mlp_norm, c.rms_norm_eps)
-        out = mixture(h, lp, c, lin) if lp.router is not None else mlp(h, lp, lin, c.hidden_act)
-        x = x + _post_norm(out, lp.post_mlp_norm, c)
+        out = (mixture(h, lp, c, lin, first_expert) if lp.router is not None
+               else mlp(h, lp, lin, c.hidden_act))
+        x = x + _post_norm(reduce(out), lp.post_mlp_norm, c)
     x = rms_norm(x, params.final_norm, c.rms_norm_eps)
     return x, PagedKV(k_all, v_all, k_scale, v_scale)
 
@@ -247,16 +286,18 @@ def mlp(h, lp: LayerParams, lin, act: str = "silu"):
     return lin(ACTIVATIONS[act](gate) * up, lp.w_down)
 
 
-def mixture(h, lp: LayerParams, c: ModelConfig, lin):
+def mixture(h, lp: LayerParams, c: ModelConfig, lin, first_expert=None):
     """A mixture-of-experts layer over tokens h [N, d]: each token's top-k experts by the
     router's softmax (renormalized over the chosen with `norm_topk_prob`), their outputs
     weighed and summed, plus the shared expert's (gated by a sigmoid where it has a gate).
-    Only the chosen experts run: `expert_outputs`."""
+    Only the chosen experts run: `expert_outputs`. `first_expert`: expert parallel, this
+    device holds experts from that index on (see `expert_outputs`)."""
     probs = jax.nn.softmax(linear(h, lp.router, out_dtype=jnp.float32), axis=-1)
     weights, chosen = jax.lax.top_k(probs, c.experts_per_token)  # ties: the lower index
     if c.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    out = jnp.sum(expert_outputs(h, chosen, lp) * weights.astype(h.dtype)[..., None], axis=1)
+    outputs = expert_outputs(h, chosen, lp, first_expert)
+    out = jnp.sum(outputs * weights.astype(h.dtype)[..., None], axis=1)
     if lp.w_gate_up is not None:
         shared = mlp(h, lp, lin, c.hidden_act)
         if lp.w_shared_gate is not None:
@@ -265,34 +306,53 @@ def mixture(h, lp: LayerParams, c: ModelConfig, lin):
     return out
 
 
-def expert_outputs(h, chosen, lp: LayerParams):
+def expert_outputs(h, chosen, lp: LayerParams, first=None):
     """Each token's chosen experts' outputs [N, k, d] for `chosen` [N, k]: with fewer
-    assignments than experts (decode), `gathered_experts`, else `grouped_experts`."""
+    assignments than experts (decode), `gathered_experts`, else `grouped_experts`.
+    `first`: the layer's weights hold experts first.. only (expert parallel); the
+    assignments to others give zeros (another device adds theirs)."""
     n, k = chosen.shape
     if n * k < lp.w_experts_gate_up.shape[0]:
-        return gathered_experts(h, chosen, lp)
-    return grouped_experts(h, chosen, lp)
+        return gathered_experts(h, chosen, lp, first)
+    return grouped_experts(h, chosen, lp, first)
 
 
-def gathered_experts(h, chosen, lp: LayerParams):
+def _local_experts(chosen, lp: LayerParams, first):
+    """`chosen` as indices into the weights held here, and which assignments are held."""
+    if first is None:
+        return chosen, None
+    local = chosen - first
+    held = (local >= 0) & (local < lp.w_experts_gate_up.shape[0])
+    return local, held
+
+
+def gathered_experts(h, chosen, lp: LayerParams, first=None):
     """Each token gathers its chosen experts' weights: only those are read (the gather
     copies them before the products; experiments/README.md#moe_products)."""
-    gate_up = jnp.einsum("nd,nkdo->nko", h, lp.w_experts_gate_up[chosen])
+    local, held = _local_experts(chosen, lp, first)
+    if held is not None:
+        local = jnp.where(held, local, 0)
+    gate_up = jnp.einsum("nd,nkdo->nko", h, lp.w_experts_gate_up[local])
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    return jnp.einsum("nki,nkid->nkd", jax.nn.silu(gate) * up, lp.w_experts_down[chosen])
+    out = jnp.einsum("nki,nkid->nkd", jax.nn.silu(gate) * up, lp.w_experts_down[local])
+    return out if held is None else jnp.where(held[..., None], out, 0)
 
 
-def grouped_experts(h, chosen, lp: LayerParams):
+def grouped_experts(h, chosen, lp: LayerParams, first=None):
     """The assignments sorted by expert and run as one grouped product (`ragged_dot`):
-    every expert's weights read once, each token through its own experts only."""
+    every expert's weights read once, each token through its own experts only (the
+    assignments to experts not held here sort last, outside every group)."""
     n, k = chosen.shape
-    flat = chosen.reshape(-1)
+    experts = lp.w_experts_gate_up.shape[0]
+    local, held = _local_experts(chosen, lp, first)
+    flat = (local if held is None else jnp.where(held, local, experts)).reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=lp.w_experts_gate_up.shape[0]).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
     gate_up = jax.lax.ragged_dot(h[order // k], lp.w_experts_gate_up, sizes)
     gate, up = jnp.split(gate_up, 2, axis=-1)
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, lp.w_experts_down, sizes)
-    return jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
+    out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
+    return out if held is None else jnp.where(held[..., None], out, 0)
 
 
 def page_slots(block_tables, positions, valid, page_size):
@@ -304,12 +364,12 @@ def page_slots(block_tables, positions, valid, page_size):
 
 def forward(params: Params, kv: PagedKV, tokens, positions, valid, block_tables,
             *, config: ModelConfig, attn_impl: str = "auto",
-            products: RowProducts = RowProducts()):
+            products: RowProducts = RowProducts(), tp: TensorParallel | None = None):
     """Append `tokens` [B, T] at `positions` to each sequence's pages and run the decoder.
 
-    `valid` [B, T] marks real tokens (padding writes to the scratch page); `products`:
-    see `linear`. Returns the final hidden states [B, T, d] (after the final norm) and
-    the new KV.
+    `valid` [B, T] marks real tokens (padding writes to the scratch page); `products`
+    and `tp`: see `decoder`. Returns the final hidden states [B, T, d] (after the final
+    norm) and the new KV.
     """
     c = config
     batch, q_len = tokens.shape
@@ -325,16 +385,17 @@ def forward(params: Params, kv: PagedKV, tokens, positions, valid, block_tables,
 
     hidden, kv = decoder(params, kv, tokens.reshape(-1), positions.reshape(-1),
                          page_ids.reshape(-1), offsets.reshape(-1), attend, config=c,
-                         products=products)
+                         products=products, tp=tp)
     return hidden.reshape(batch, q_len, -1), kv
 
 
 def forward_step(params: Params, kv: PagedKV, batch: StepBatch, *, config: ModelConfig,
                  attn_impl: str, pages_per_block: int,
-                 products: RowProducts = RowProducts()):
+                 products: RowProducts = RowProducts(), tp: TensorParallel | None = None):
     """Run one ragged step (see step_batch): its decode rows' tokens and its chunk,
     flat through every matmul; attention per part, reading only the pages each part
-    sees. Returns the hidden state each row samples from [rows, d] and the new KV."""
+    sees (`products` and `tp`: see `decoder`). Returns the hidden state each row samples
+    from [rows, d] and the new KV."""
     c = config
     dec, chunk = batch.decode_rows, batch.chunk
     offs = jnp.arange(chunk, dtype=jnp.int32)
@@ -374,7 +435,7 @@ def forward_step(params: Params, kv: PagedKV, batch: StepBatch, *, config: Model
 
     tokens = jnp.concatenate([batch.decode_tokens, batch.chunk_tokens])
     hidden, kv = decoder(params, kv, tokens, positions, page_ids[:, 0], offsets[:, 0], attend,
-                         config=c, products=products)
+                         config=c, products=products, tp=tp)
     last = jnp.concatenate([jnp.arange(dec, dtype=jnp.int32),
                             (dec + jnp.maximum(batch.chunk_len - 1, 0))[None]])
     return hidden[last[:tables.shape[0]]], kv

@@ -162,10 +162,13 @@ def _as_key(item: list) -> tuple:
 
 class ExecutableStore:
     """One directory of serialized executables, each under a key: a tuple of strings,
-    ints and tuples of ints (see the module docstring)."""
+    ints and tuples of ints (see the module docstring). `devices`: those its executables
+    run on, in their order (a mesh's, flattened; default: the first device): a loaded
+    executable is given these, not every device the process sees."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, devices: list | None = None):
         self.directory = Path(directory)
+        self.devices = list(devices) if devices is not None else jax.devices()[:1]
         self._used: dict[tuple, None] = {}  # in order of first use
         self._reading: dict[tuple, Future] = {}
 
@@ -205,7 +208,8 @@ class ExecutableStore:
             if hashlib.sha256(body).hexdigest() != digest:
                 raise ValueError("checksum mismatch")
             payload, in_tree, out_tree = pickle.loads(body)
-            return deserialize_and_load(payload, in_tree, out_tree)
+            return deserialize_and_load(payload, in_tree, out_tree,
+                                        execution_devices=self.devices)
         except Exception as e:  # damaged or from an incompatible build: compile instead
             log.warning("compiled step %s unreadable (%s); compiling it again", path, e)
             path.unlink(missing_ok=True)

@@ -22,18 +22,20 @@ from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import Params, RowProducts, forward, forward_step, lm_head
 from xlr_jax.model.executables import ExecutableStore, compile_fresh
 from xlr_jax.model.sampling import row_logprobs, sample_rows
+from xlr_jax.model.tensor_parallel import TensorParallel
 from xlr_jax.ops import cpu_kernels
 from xlr_jax.planning.buckets import Buckets, step_shape, step_shapes
 from xlr_jax.model.step_batch import StepBatch, StepBuilder
 
 
 def _step(params: Params, kv: PagedKV, batch: StepBatch, *, config: ModelConfig,
-          attn_impl: str, pages_per_block: int, products: RowProducts):
+          attn_impl: str, pages_per_block: int, products: RowProducts,
+          tp: TensorParallel | None):
     """One ragged step (see step_batch): a token per row, each row paying only for its
     own sampler; the rows' logits; and their log-probabilities where asked (see
     sampling.row_logprobs)."""
     hidden, kv = forward_step(params, kv, batch, config=config, attn_impl=attn_impl,
-                              pages_per_block=pages_per_block, products=products)
+                              pages_per_block=pages_per_block, products=products, tp=tp)
     logits = lm_head(params, hidden, config, products)
     tokens = sample_rows(logits + batch.bias, batch.sampling)
     return tokens, logits, row_logprobs(logits, tokens, batch.sampling), kv
@@ -49,21 +51,22 @@ def _redraw(logits, tokens, bias, masked, sampling):
 
 
 def _all_logits(params: Params, kv: PagedKV, tokens, start, num_new, block_tables, *,
-                config: ModelConfig, attn_impl: str):
+                config: ModelConfig, attn_impl: str, tp: TensorParallel | None):
     """Prefill a chunk and return logits at every position [B, T, V] (for scoring/tests)."""
     offs = jnp.arange(tokens.shape[1], dtype=jnp.int32)
     hidden, kv = forward(params, kv, tokens, start[:, None] + offs,
                          offs < num_new[:, None], block_tables,
-                         config=config, attn_impl=attn_impl)
+                         config=config, attn_impl=attn_impl, tp=tp)
     return lm_head(params, hidden, config), kv
 
 
 @lru_cache(maxsize=4)  # bounded, as speculative.cycle's `_jitted`
-def _jitted_all_logits(config: ModelConfig, attn_impl: str, compiler_options: tuple):
-    """One jitted `_all_logits` for every model with this config, attention and compile
-    options, so a second load in one process does not trace it again (see
+def _jitted_all_logits(config: ModelConfig, attn_impl: str, compiler_options: tuple,
+                       tp: TensorParallel | None):
+    """One jitted `_all_logits` for every model with this config, attention, compile
+    options and mesh, so a second load in one process does not trace it again (see
     speculative.cycle's `_jitted`)."""
-    return jax.jit(partial(_all_logits, config=config, attn_impl=attn_impl),
+    return jax.jit(partial(_all_logits, config=config, attn_impl=attn_impl, tp=tp),
                    donate_argnames="kv", compiler_options=dict(compiler_options) or None)
 
 
@@ -74,11 +77,12 @@ class Steps:
     (`jit(...).lower(...).compile()`) and keeps the executable; `warmup` does so for
     every bucket, so serving compiles nothing. With a store (`use_store`), executables
     are saved to disk and the next process loads them instead of tracing and compiling.
+    `tp`: the params and KV split over a mesh (model.tensor_parallel).
     """
 
     def __init__(self, config: ModelConfig, buckets: Buckets, attn_impl: str = "auto",
-                 compiler_options: dict | None = None):
-        self.config, self.buckets, self.attn_impl = config, buckets, attn_impl
+                 compiler_options: dict | None = None, tp: TensorParallel | None = None):
+        self.config, self.buckets, self.attn_impl, self.tp = config, buckets, attn_impl, tp
         self.compiler_options = compiler_options or {}
         if attn_impl == "cpu" or buckets.kernel_rows:  # registered before a stored
             cpu_kernels.build_error()  # executable that calls them runs
@@ -87,10 +91,10 @@ class Steps:
         # the step is lowered and compiled per instance, ahead of time (`_executable`)
         self._step = jax.jit(partial(_step, pages_per_block=buckets.attn_block,
                                      products=self.products, config=config,
-                                     attn_impl=attn_impl),
+                                     attn_impl=attn_impl, tp=tp),
                              donate_argnames="kv", compiler_options=compiler_options or None)
         self._all_logits = _jitted_all_logits(config, attn_impl,
-                                              tuple(sorted(self.compiler_options.items())))
+                                              tuple(sorted(self.compiler_options.items())), tp)
         # ("step", decode rows, chunk) -> executable
         self._aot: dict[tuple, jax.stages.Compiled] = {}
         self._zeros: dict[int, jax.Array] = {}  # rows -> zero bias on the device
@@ -133,7 +137,8 @@ class Steps:
         """The zeros [rows, V] of steps without logits processing, kept on the device."""
         n = StepBatch.rows_of(rows, chunk)
         if n not in self._zeros:  # put, not jnp.zeros: a fresh process compiles nothing
-            self._zeros[n] = jax.device_put(np.zeros((n, self.config.vocab_size), np.float32))
+            zeros = np.zeros((n, self.config.vocab_size), np.float32)
+            self._zeros[n] = jax.device_put(zeros, self.tp and self.tp.sharding())
         return self._zeros[n]
 
     def _executable(self, key: tuple, params, kv, use: bool = True) -> jax.stages.Compiled:

@@ -31,27 +31,32 @@ class GpuSpec:
     bandwidth_gb_s: float   # peak HBM/GDDR bandwidth
     tflops_bf16: float      # dense bf16 tensor-core peak (f32 accumulate)
     memory_gb: float
+    # one direction of a device's link to the others of its host: NVLink on SXM boards,
+    # else its PCIe slot (what a tensor-parallel all-reduce moves through)
+    interconnect_gb_s: float = 0.0
 
 
+NVLINK4, NVLINK3, NVLINK5 = 450, 300, 900  # GB/s a direction (900, 600, 1800 both ways)
+PCIE4, PCIE5 = 32, 64  # x16, a direction
 # Vendor datasheet peaks (dense, no sparsity). Matched by whole words of the
 # device name, longest key first (see gpu_spec).
 KNOWN_GPUS: dict[str, GpuSpec] = {
-    "B200": GpuSpec(8000, 2250, 180),
-    "H200": GpuSpec(4800, 989, 141),
-    "H100 PCIe": GpuSpec(2000, 756, 80),
-    "H100": GpuSpec(3350, 989, 80),
-    "A100-SXM4-40GB": GpuSpec(1555, 312, 40),
-    "A100": GpuSpec(2039, 312, 80),
-    "L40S": GpuSpec(864, 362, 48),
-    "L40": GpuSpec(864, 181, 48),
-    "L4": GpuSpec(300, 121, 24),
-    "A10": GpuSpec(600, 125, 24),
-    "RTX 5090": GpuSpec(1792, 209, 32),
-    "RTX 4090": GpuSpec(1008, 165, 24),
-    "RTX 3090": GpuSpec(936, 71, 24),
+    "B200": GpuSpec(8000, 2250, 180, NVLINK5),
+    "H200": GpuSpec(4800, 989, 141, NVLINK4),
+    "H100 PCIe": GpuSpec(2000, 756, 80, PCIE5),
+    "H100": GpuSpec(3350, 989, 80, NVLINK4),
+    "A100-SXM4-40GB": GpuSpec(1555, 312, 40, NVLINK3),
+    "A100": GpuSpec(2039, 312, 80, NVLINK3),
+    "L40S": GpuSpec(864, 362, 48, PCIE4),
+    "L40": GpuSpec(864, 181, 48, PCIE4),
+    "L4": GpuSpec(300, 121, 24, PCIE4),
+    "A10": GpuSpec(600, 125, 24, PCIE4),
+    "RTX 5090": GpuSpec(1792, 209, 32, PCIE5),
+    "RTX 4090": GpuSpec(1008, 165, 24, PCIE4),
+    "RTX 3090": GpuSpec(936, 71, 24, PCIE4),
 }
 # unmeasured fallbacks: low enough not to promise too much
-CONSERVATIVE_GPU = GpuSpec(300, 50, 0)
+CONSERVATIVE_GPU = GpuSpec(300, 50, 0, PCIE4)
 CONSERVATIVE_CPU = GpuSpec(20, 0.5, 0)
 
 
@@ -70,6 +75,9 @@ class HardwareProfile:
     notes: tuple[str, ...] = ()
     cpu_vector_bits: int = 0      # the host CPU's widest SIMD registers; 0: unknown
     memory_source: str = ""       # where memory_free_bytes comes from
+    # one direction of a device's link to its peers (GpuSpec); the CPU's virtual devices
+    # share its memory, so theirs is its memory bandwidth
+    interconnect_gb_s: float = 0.0
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -118,7 +126,8 @@ def preset(name: str) -> HardwareProfile:
     mem = int(spec.memory_gb * GB)
     return HardwareProfile("gpu", f"NVIDIA {key}", 1, mem, mem, None, os.cpu_count() or 1,
                            spec.bandwidth_gb_s, spec.tflops_bf16, "table",
-                           memory_source="the datasheet's memory, as if idle (a preset)")
+                           memory_source="the datasheet's memory, as if idle (a preset)",
+                           interconnect_gb_s=spec.interconnect_gb_s)
 
 
 def probe(measure: bool = False) -> HardwareProfile:
@@ -133,10 +142,12 @@ def probe(measure: bool = False) -> HardwareProfile:
         name, capability = device.device_kind, getattr(device, "compute_capability", None)
         total, free, memory_source = gpu_memory(nvml, device.memory_stats(), jax_preallocates())
     spec, source, notes = peaks(name, backend, measure)
+    link = (spec.bandwidth_gb_s if backend == "cpu" else  # (a measured GPU: the table's)
+            spec.interconnect_gb_s or (gpu_spec(name) or CONSERVATIVE_GPU).interconnect_gb_s)
     return HardwareProfile(backend, name, jax.device_count(), total, free,
                            None if capability is None else str(capability), os.cpu_count() or 1,
                            spec.bandwidth_gb_s, spec.tflops_bf16, source, notes,
-                           cpu_vector_bits(), memory_source)
+                           cpu_vector_bits(), memory_source, link)
 
 
 def peaks(name: str, backend: str, measure: bool = False) -> tuple[GpuSpec, str, tuple]:

@@ -21,6 +21,8 @@ from xlr_jax.kv.paged_kv import is_quantized
 from xlr_jax.kv.pages import pages_for
 from xlr_jax.model import quantized
 from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.tensor_parallel import expert_parallel_for, kv_heads
+from xlr_jax.model.tensor_parallel import problem as tensor_parallel_problem
 from xlr_jax.model.weight_formats import FORMATS, WEIGHTS
 from xlr_jax.ops import IMPLS, cpu_attention, cpu_kernels, cpu_linear, walk_sizes
 from xlr_jax.planning.buckets import ATTN_BLOCK_PAGES, REDUCE_ROWS, Buckets, buckets_for
@@ -126,6 +128,13 @@ class ExecutionPlan:
     # XLA options every step is compiled with (jax.jit's compiler_options)
     compiler_options: dict = field(default_factory=dict, hash=False)
     reasons: dict = field(default_factory=dict, hash=False, compare=False)
+    # the device mesh's axes and sizes: "model" splits each layer (tensor parallel)
+    mesh: dict = field(default_factory=lambda: {"data": 1, "model": 1}, hash=False)
+    expert_parallel: bool = False  # a MoE's experts whole on the "model" devices, E / n each
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.mesh["model"]
 
     @property
     def buckets(self) -> Buckets:
@@ -160,6 +169,7 @@ class ExecutionPlan:
         raw.setdefault("reduce_rows", 0)  # older plans: every product a dot
         raw.setdefault("linear_impl", "xla")
         raw.setdefault("kernel_rows", cpu_linear.MAX_ROWS if raw["linear_impl"] == "cpu" else 0)
+        raw.setdefault("mesh", {"data": 1, "model": 1})
         return cls(**raw)
 
 
@@ -264,7 +274,9 @@ def _weights_for(hw: HardwareProfile, linear_impl: str) -> tuple[str, str]:
 def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Workload(),
          *, dtype: str | None = None, kv_dtype: str | None = None, page_size: int | None = None,
          num_pages: int | None = None, attn_impl: str = "auto", linear_impl: str = "auto",
-         compiler_options: dict | None = None, weights: str | None = None) -> ExecutionPlan:
+         compiler_options: dict | None = None, weights: str | None = None,
+         tensor_parallel: int | None = None,
+         expert_parallel: bool | None = None) -> ExecutionPlan:
     """The Execution Plan for `config` on `hardware`; keyword arguments override choices."""
     gpu = hardware.backend == "gpu"
     why: dict[str, str] = {}
@@ -353,12 +365,15 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         raise PlanError(f"compiler_options must map XLA option names to values, e.g. "
                         f"{{'xla_cpu_prefer_vector_width': 512}} (got {xla!r})")
 
+    shards, experts = _tensor_parallel_for(hardware, config, compute, formats, tensor_parallel,
+                                           expert_parallel, why)
     why["memory"] = (f"budgeted from {hardware.memory_free_bytes / GB:.2f} GB free"
+                     + (" a device" if shards > 1 else "")
                      + (f": {hardware.memory_source}" if hardware.memory_source else ""))
     per_context = pages_for(context, ps)
     while True:
         memory = memory_budget(hardware, config, compute, kv, ps, batch, chunk, context, impl,
-                               formats)
+                               formats, shards)
         fits = memory.kv_pages
         if fits >= per_context or workload.max_batch is not None or batch <= 8:
             break
@@ -437,7 +452,8 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         attn_block_pages=buckets.attn_block, reduce_rows=buckets.reduce_rows, attn_impl=impl,
         linear_impl=linear, kernel_rows=_kernel_rows() if linear == "cpu" else 0,
         speculative=spec, memory=memory,
-        compiler_options=xla, reasons=why)
+        compiler_options=xla, reasons=why, mesh={"data": 1, "model": shards},
+        expert_parallel=experts)
 
 
 def _named(value: str, names: dict, what: str) -> str:
@@ -454,40 +470,109 @@ def attention_for(hw: HardwareProfile, config: ModelConfig, kv: str, ps: int) ->
     return _cpu_impl(config, kv, ps)
 
 
-def weight_bytes(config: ModelConfig, compute: str, weights: str = "float") -> float:
+def weight_bytes(config: ModelConfig, compute: str, weights: str = "float",
+                 tensor_parallel: int = 1) -> float:
     """The weights' bytes: in `compute`, or with the matrices in format `weights` (the
     experts, norms and biases stay in `compute`; "native" counts as `compute`, a bound:
-    the file's own formats are not in the config)."""
-    whole = config.num_params() * _itemsize(compute)
-    if weights not in FORMATS:
-        return whole
+    the file's own formats are not in the config). Over `tensor_parallel` devices, one
+    device's: the embedding and LM head whole, the layers split (KV heads repeated where
+    fewer than the devices; model.tensor_parallel)."""
+    n = tensor_parallel
+    if n > 1:
+        config = dataclasses.replace(config, num_kv_heads=kv_heads(config, n))
+    value = quantized.BYTES_PER_VALUE[weights] if weights in FORMATS else _itemsize(compute)
     experts = config.moe_layers * config.num_experts * config.expert_params()
-    return ((config.num_params() - experts) * quantized.BYTES_PER_VALUE[weights]
-            + experts * _itemsize(compute))
+    whole = (config.num_params() - experts) * value + experts * _itemsize(compute)
+    replicated = config.embed_params() * (1 if config.tie_embeddings else 2) * value
+    return replicated + (whole - replicated) / n
+
+
+def shard_page_bytes(config: ModelConfig, page_size: int, kv_dtype: str,
+                     tensor_parallel: int = 1) -> int:
+    """A KV page's bytes on one device: its share of the KV heads (repeated where fewer
+    than the devices)."""
+    n = tensor_parallel
+    heads = kv_heads(config, n) // n if n > 1 else config.num_kv_heads
+    return page_bytes(dataclasses.replace(config, num_kv_heads=heads), page_size, kv_dtype)
+
+
+def _tensor_parallel_for(hw: HardwareProfile, config: ModelConfig, compute: str, formats: str,
+                         given: int | None, experts: bool | None,
+                         why: dict) -> tuple[int, bool]:
+    """How many devices each layer splits over, and whether a MoE's experts go whole to
+    them: the caller's; else one device where the weights fit one (the others are left
+    for replicas), else every device the model's heads divide over (decode reads weights,
+    so each of n devices reads 1/n of them); experts whole where they divide evenly."""
+    def expert_split(k: int) -> bool:
+        return expert_parallel_for(config, k) if experts is None else bool(experts and k > 1)
+
+    if given is not None:
+        if not isinstance(given, int) or given < 1:
+            raise PlanError(f"tensor_parallel must be a positive integer (got {given!r})")
+        if given > hw.device_count:
+            raise PlanError(f"tensor_parallel {given} needs {given} devices but "
+                            f"{hw.device_name} has {hw.device_count}")
+        if (problem := tensor_parallel_problem(config, given, expert_split(given))):
+            raise PlanError(f"tensor_parallel {given}: {problem}")
+        why["mesh"] = "set by the caller"
+        n = given
+    elif (whole := weight_bytes(config, compute, formats)) + _reserve(hw) <= _usable(hw) \
+            or hw.device_count == 1:
+        why["mesh"] = ("one device holds the weights" +
+                       (f"; the other {hw.device_count - 1} can serve replicas"
+                        if hw.device_count > 1 else ""))
+        n = 1
+    else:
+        n = max(k for k in range(1, hw.device_count + 1)
+                if tensor_parallel_problem(config, k, expert_split(k)) is None)
+        why["mesh"] = (
+            f"the weights ({whole / GB:.1f} GB) do not fit one device's "
+            f"{_usable(hw) / GB:.1f} GB usable: split over {n} of the {hw.device_count} "
+            "devices (the most the model's heads and widths divide over: decode reads 1/n "
+            "of the weights on each, and the KV pool has n devices' room)")
+    if config.num_experts and n > 1:
+        why["expert_parallel"] = (
+            "set by the caller" if experts is not None else
+            f"{config.num_experts // n} whole experts a device: no expert's FFN cut into "
+            "slivers, and a token's expert outputs come back in the MLP's all-reduce"
+            if expert_split(n) else
+            f"{config.num_experts} experts do not divide over {n} devices: each expert's "
+            "FFN width is split instead")
+    return n, expert_split(n)
+
+
+def _usable(hw: HardwareProfile) -> int:
+    """A device's memory the plan may use: on the GPU 90% of what is free (the runtime and
+    fragmentation take the rest), on the CPU half the free RAM (the OS, the Python heap
+    and converted-weight copies live there too)."""
+    return int(hw.memory_free_bytes * (0.9 if hw.backend == "gpu" else 0.5))
+
+
+def _reserve(hw: HardwareProfile) -> int:
+    return int(1 * GB) if hw.backend == "gpu" else int(0.5 * GB)
 
 
 def memory_budget(hw: HardwareProfile, config: ModelConfig, compute: str, kv: str, ps: int,
                   batch: int, chunk: int, context: int, impl: str,
-                  weights: str = "float") -> MemoryBudget:
-    """Where a device's free memory goes: the weights (`weight_bytes`), one prefill step's
-    activations, a reserve, and the KV pages' budget (the rest). Refused (PlanError)
-    when the weights do not fit."""
-    device = hw.memory_free_bytes
-    # GPU: keep 10% for the runtime and fragmentation; CPU: half the free RAM (the OS,
-    # the Python heap and converted-weight copies live there too)
-    usable = int(device * (0.9 if hw.backend == "gpu" else 0.5))
-    weights = int(weight_bytes(config, compute, weights))
+                  weights: str = "float", tensor_parallel: int = 1) -> MemoryBudget:
+    """Where a device's free memory goes: the weights (`weight_bytes`, its share over
+    `tensor_parallel` devices), one prefill step's activations (whole on each device: a
+    bound), a reserve, and the KV pages' budget (the rest; a page's bytes are its share
+    of the KV heads). Refused (PlanError) when the weights do not fit."""
+    device, usable, reserve = hw.memory_free_bytes, _usable(hw), _reserve(hw)
+    weights = int(weight_bytes(config, compute, weights, tensor_parallel))
     act = activation_bytes(config, batch, chunk, context, compute, dense_scores=impl == "xla")
-    reserve = int(1 * GB) if hw.backend == "gpu" else int(0.5 * GB)
     if weights + reserve > usable:
+        split = f" over {tensor_parallel} devices" if tensor_parallel > 1 else ""
         raise PlanError(
-            f"the model's weights need {weights / GB:.2f} GB ({config.num_params() / 1e9:.2f} B "
-            f"params in {compute}) but only {usable / GB:.2f} GB of the device's "
-            f"{device / GB:.2f} GB free is usable; use a smaller model, a smaller dtype "
+            f"the model's weights need {weights / GB:.2f} GB a device{split} "
+            f"({config.num_params() / 1e9:.2f} B params in {compute}) but only "
+            f"{usable / GB:.2f} GB of the device's {device / GB:.2f} GB free is usable; use "
+            "a smaller model, a smaller dtype or format, more devices (tensor_parallel) "
             "or another device")
     kv_budget = usable - weights - act - reserve
     return MemoryBudget(device, usable, weights, act, reserve, max(kv_budget, 0),
-                        page_bytes(config, ps, kv))
+                        shard_page_bytes(config, ps, kv, tensor_parallel))
 
 
 def _no_room(memory: MemoryBudget, per_context: int, context: int, ps: int,
@@ -508,8 +593,9 @@ def draft_bytes(plan: ExecutionPlan, draft: ModelConfig, name: str, taken: int =
     them) plus its own KV over all the plan's pages (it shares the target's page ids).
     Refused with the numbers (PlanError) unless it fits in what the plan left after the
     target's KV pool and the `taken` bytes of drafts loaded before."""
-    weights = int(weight_bytes(draft, plan.compute_dtype, weights))
-    kv = plan.num_pages * page_bytes(draft, plan.page_size, plan.kv_dtype)
+    n = plan.tensor_parallel  # a draft model splits over the target's devices too
+    weights = int(weight_bytes(draft, plan.compute_dtype, weights, n))
+    kv = plan.num_pages * shard_page_bytes(draft, plan.page_size, plan.kv_dtype, n)
     spare = plan.memory.kv_budget_bytes - plan.num_pages * plan.memory.page_bytes - taken
     if weights + kv > spare:
         raise PlanError(

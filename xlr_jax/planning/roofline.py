@@ -18,13 +18,26 @@ context), `estimate` counts:
 A phase's time is max(FLOPs / peak FLOP/s, bytes / peak bandwidth): the
 roofline. TTFT is the prefill's time, ITL one decode step's at the prompt's
 context.
+
+Split over `tensor_parallel` devices (model.tensor_parallel), the figures are one
+device's: its share of every layer's FLOPs, weights and KV (KV heads repeated where
+fewer than the devices), the LM head whole; plus two all-reduces a layer of the step's
+activations, each a ring's 2 (n - 1) / n of them through the device's link
+(`interconnect_gb_s`) and a fixed latency, added to the phase's time (not overlapped:
+a bound).
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from xlr_jax.model.config import ModelConfig, RopeScaling
+from xlr_jax.model.tensor_parallel import kv_heads
 from xlr_jax.planning.hardware import HardwareProfile
+
+# an all-reduce's fixed cost within one host (NCCL's small-message latency over NVLink is
+# of this order); it is what a decode step's many small all-reduces pay most
+ALLREDUCE_LATENCY_S = 10e-6
+ACTIVATION_BYTES = 2  # bf16 activations in an all-reduce
 
 
 def weight_bytes_read(c: ModelConfig, tokens: int, weight_bytes: float) -> float:
@@ -111,25 +124,53 @@ def phase(flops: float, nbytes: float, hw: HardwareProfile) -> dict:
             "bound": "compute" if compute_s > memory_s else "memory"}
 
 
+def allreduce_s(nbytes: float, n: int, hw: HardwareProfile) -> float:
+    """One ring all-reduce of `nbytes` over `n` devices: 2 (n - 1) / n of it each way
+    through a device's link, plus the fixed latency."""
+    if n == 1:
+        return 0.0
+    link = hw.interconnect_gb_s or hw.peak_bandwidth_gb_s
+    return 2 * (n - 1) / n * nbytes / (link * 1e9) + ALLREDUCE_LATENCY_S
+
+
 def estimate(c: ModelConfig, hw: HardwareProfile, *, prompt: int, batch: int = 1,
              weight_bytes: float = 2, kv_bytes: float = 2, context: int | None = None,
-             name: str = "model") -> dict:
-    """Prefill of `prompt` tokens x `batch` sequences, and one decode step at `context`."""
+             name: str = "model", tensor_parallel: int = 1) -> dict:
+    """Prefill of `prompt` tokens x `batch` sequences, and one decode step at `context`;
+    one device's figures over `tensor_parallel` devices (see the module docstring)."""
+    n = tensor_parallel
     context = prompt if context is None else context
-    kv_token = c.kv_bytes_per_token(kv_bytes)
+    # a device's share of the KV heads (repeated where fewer than the devices)
+    kv_share = kv_heads(c, n) / (n * c.num_kv_heads) if n > 1 else 1.0
+    kv_token = c.kv_bytes_per_token(kv_bytes) * kv_share
     matmul = c.active_matmul_params()
     lm_head = c.embed_params()
+    head_bytes = lm_head * weight_bytes  # whole on every device
     tokens = batch * prompt
     # prefill: the LM head only for each sequence's last token
-    pre_flops = (2.0 * tokens * (matmul - lm_head) + 2.0 * batch * lm_head
-                 + attention_flops(c, batch, prefill_positions(c, prompt)))
-    pre_bytes = weight_bytes_read(c, tokens, weight_bytes) + tokens * kv_token
+    pre_flops = ((2.0 * tokens * (matmul - lm_head)
+                  + attention_flops(c, batch, prefill_positions(c, prompt))) / n
+                 + 2.0 * batch * lm_head)
+    pre_bytes = ((weight_bytes_read(c, tokens, weight_bytes) - head_bytes) / n + head_bytes
+                 + tokens * kv_token)
     seen = decode_positions(c, context + 1)  # a windowed layer reads its window only
-    dec_flops = 2.0 * batch * matmul + attention_flops(c, batch, seen)
-    dec_bytes = weight_bytes_read(c, batch, weight_bytes) + batch * seen * kv_token / c.num_layers
+    dec_flops = (2.0 * batch * (matmul - lm_head) + attention_flops(c, batch, seen)) / n \
+        + 2.0 * batch * lm_head
+    dec_bytes = ((weight_bytes_read(c, batch, weight_bytes) - head_bytes) / n + head_bytes
+                 + batch * seen * kv_token / c.num_layers)
     pre, dec = phase(pre_flops, pre_bytes, hw), phase(dec_flops, dec_bytes, hw)
+    # two all-reduces a layer of the step's hidden states
+    reduces = 2 * c.num_layers
+    pre_comm = reduces * allreduce_s(tokens * c.hidden_size * ACTIVATION_BYTES, n, hw)
+    dec_comm = reduces * allreduce_s(batch * c.hidden_size * ACTIVATION_BYTES, n, hw)
+    pre["time_s"] += pre_comm
+    dec["time_s"] += dec_comm
     return {
         "model": name, "hardware": hw.device_name, "prompt_tokens": prompt,
+        "tensor_parallel": n, "interconnect_gb_s": hw.interconnect_gb_s,
+        "allreduce_bytes_per_layer_decode": 2 * batch * c.hidden_size * ACTIVATION_BYTES,
+        "prefill_comm_s": pre_comm, "decode_comm_s": dec_comm,
+        "decode_comm_share": dec_comm / dec["time_s"],
         "batch": batch, "decode_context_tokens": context, "weight_bytes_per_param": weight_bytes,
         "kv_bytes_per_value": kv_bytes, "params": c.num_params(),
         "weight_bytes": c.num_params() * weight_bytes,

@@ -31,6 +31,7 @@ from xlr_jax.model.executables import ExecutableStore, compile_for_later
 from xlr_jax.model.sampling import SamplingBatch, sampler_for
 from xlr_jax.model.step_batch import StepBatch
 from xlr_jax.model.steps import Steps
+from xlr_jax.model.tensor_parallel import TensorParallel, kv_heads
 from xlr_jax.planning.buckets import Buckets, pick_bucket
 from xlr_jax.runtime.scheduler import RunnerOutput, SchedulerOutput
 from xlr_jax.speculative.config import Draft, ModelDraft
@@ -58,20 +59,28 @@ class ModelRunner:
 
     def __init__(self, config: ModelConfig, params: Params, *, num_pages: int,
                  page_size: int, kv_dtype, buckets: Buckets, attn_impl: str,
-                 compiler_options: dict | None, page_ops: Callable[[], list[PageOp]]):
-        self.config, self.buckets = config, buckets
+                 compiler_options: dict | None, page_ops: Callable[[], list[PageOp]],
+                 tp: TensorParallel | None = None):
+        self.config, self.buckets, self.tp = config, buckets, tp
         self._params = params.per_layer()
-        self._kv = PagedKV.create(num_layers=config.num_layers,
-                                  num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                                  num_pages=num_pages, page_size=page_size, dtype=kv_dtype)
-        self.steps = Steps(config, buckets, attn_impl, compiler_options)
-        self.spec_steps = SpecSteps(config, attn_impl, compiler_options, self.steps.products)
+        self._kv = self._new_kv(config, num_pages, page_size, kv_dtype)
+        self.steps = Steps(config, buckets, attn_impl, compiler_options, tp)
+        self.spec_steps = SpecSteps(config, attn_impl, compiler_options, self.steps.products,
+                                    tp)
         self._draft_kvs: dict[str, PagedKV] = {}  # separate draft models' KV, by name
         self._draft_steps: dict[str, Steps] = {}
         self._page_ops = page_ops
         self.steps_run = 0
         self._step_times: deque = deque(maxlen=256)  # seconds of the last plain steps
         self._last_read = 0.0
+
+    def _new_kv(self, config: ModelConfig, num_pages: int, page_size: int, dtype) -> PagedKV:
+        """A zeroed pool for `config`'s layers (split by KV head over the mesh, if any)."""
+        heads = config.num_kv_heads if self.tp is None else kv_heads(config, self.tp.size)
+        sharding = self.tp and self.tp.kv_sharding()
+        return PagedKV.create(num_layers=config.num_layers, num_kv_heads=heads,
+                              head_dim=config.head_dim, num_pages=num_pages,
+                              page_size=page_size, dtype=dtype, sharding=sharding)
 
     @property
     def params(self) -> Params:
@@ -233,12 +242,12 @@ class ModelRunner:
         target's), made on its first use."""
         self.apply_page_ops()
         if draft.name not in self._draft_kvs:
-            c, kv = draft.config, self._kv
-            self._draft_kvs[draft.name] = PagedKV.create(
-                num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                num_pages=kv.num_pages, page_size=kv.page_size, dtype=kv.k.dtype)
-            self._draft_steps[draft.name] = Steps(c, self.buckets, self.steps.attn_impl,
-                                                  self.steps.compiler_options)
+            kv = self._kv
+            self._draft_kvs[draft.name] = self._new_kv(draft.config, kv.num_pages,
+                                                       kv.page_size, kv.k.dtype)
+            self._draft_steps[draft.name] = Steps(draft.config, self.buckets,
+                                                  self.steps.attn_impl,
+                                                  self.steps.compiler_options, self.tp)
         _, self._draft_kvs[draft.name] = self._prefill_all(
             self._draft_steps[draft.name], draft.params, self._draft_kvs[draft.name], ids, seq)
 

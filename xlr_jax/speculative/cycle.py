@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import Params, RowProducts, forward, lm_head
 from xlr_jax.model.sampling import SamplingBatch, draw_from, sample_rows, token_probs
+from xlr_jax.model.tensor_parallel import TensorParallel
 from xlr_jax.speculative.acceptance import accept_block, accept_by_matching
 from xlr_jax.speculative.config import Draft, LayerDraft, ModelDraft
 
@@ -54,14 +55,14 @@ def _draw(keys, probs):
 
 
 def _run_draft(dparams, dkv, last, positions, num_draft, block_tables, sampling, keys, *,
-               dconfig, attn_impl, products, steps, sampler):
+               dconfig, attn_impl, products, tp, steps, sampler):
     """`steps` single-token draft steps from `last`; returns tokens [B, steps],
     their draft probabilities [B, steps, V] and the draft's KV."""
     def step(carry, j):
         kv, token = carry
         hidden, kv = forward(dparams, kv, token[:, None], (positions + j)[:, None],
                              (j <= num_draft)[:, None], block_tables, config=dconfig,
-                             attn_impl=attn_impl, products=products)
+                             attn_impl=attn_impl, products=products, tp=tp)
         q = _probs(lm_head(dparams, hidden[:, 0], dconfig, products), sampling, sampler)
         drawn = _draw(jax.vmap(lambda k: jax.random.fold_in(k, j))(keys), q)
         return (kv, drawn), (drawn, q)
@@ -73,14 +74,15 @@ def _run_draft(dparams, dkv, last, positions, num_draft, block_tables, sampling,
 def _propose(params: Params, kv, draft_params, draft_kv, last, positions, num_draft,
              block_tables, sampling: SamplingBatch, salt, *, config: ModelConfig,
              draft_config: ModelConfig | None, attn_impl: str, products: RowProducts,
-             gamma: int, draft_kind: str, draft_layers: int, sampler: str):
+             tp: TensorParallel | None, gamma: int, draft_kind: str, draft_layers: int,
+             sampler: str):
     """A device draft's proposals from each row's `last` token (at `positions`, not yet in
     the KV): tokens [B, gamma] drawn from the draft's q, q itself [B, gamma, V], and
     the KV the draft wrote (a self draft the target's first layers, a model its own)."""
     k_draft, _ = _row_keys(sampling, salt)
     run = partial(_run_draft, last=last, positions=positions, num_draft=num_draft,
                   block_tables=block_tables, sampling=sampling, keys=k_draft,
-                  attn_impl=attn_impl, products=products, sampler=sampler)
+                  attn_impl=attn_impl, products=products, tp=tp, sampler=sampler)
     if draft_kind == "self":
         layer_params = params.replace(layers=params.layers[:draft_layers])
         drafts, q, kv = run(layer_params, kv, dconfig=config, steps=gamma)
@@ -141,7 +143,8 @@ def _judge_rows(logits, index, drafts, q, num_draft, sampling: SamplingBatch, sa
 def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed, num_draft,
            block_tables, sampling: SamplingBatch, salt, *, config: ModelConfig,
            draft_config: ModelConfig | None, attn_impl: str, products: RowProducts,
-           gamma: int, draft_kind: str, draft_layers: int, method: str, sampler: str):
+           tp: TensorParallel | None, gamma: int, draft_kind: str, draft_layers: int,
+           method: str, sampler: str):
     """One speculative cycle for rows [B] whose next position is `positions` and whose
     last sampled token `last` is not yet in the KV. `num_draft` [B] <= gamma limits
     each row's proposals (token budget, or fewer n-gram proposals in `proposed`).
@@ -163,13 +166,13 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
         drafts, q, kv, draft_kv = _propose(
             params, kv, draft_params, draft_kv, last, positions, num_draft, block_tables,
             sampling, salt, config=config, draft_config=draft_config, attn_impl=attn_impl,
-            products=products, gamma=gamma, draft_kind=draft_kind, draft_layers=draft_layers,
-            sampler=sampler)
+            products=products, tp=tp, gamma=gamma, draft_kind=draft_kind,
+            draft_layers=draft_layers, sampler=sampler)
     offs = jnp.arange(gamma + 1, dtype=jnp.int32)
     tokens = jnp.concatenate([last[:, None], drafts], axis=1)
     hidden, kv = forward(params, kv, tokens, positions[:, None] + offs,
                          offs <= num_draft[:, None], block_tables, config=config,
-                         attn_impl=attn_impl, products=products)
+                         attn_impl=attn_impl, products=products, tp=tp)
     logits = lm_head(params, hidden, config, products).reshape(batch * (gamma + 1),
                                                                 config.vocab_size)
     if draft_kind == "tokens":  # a point mass (exact only): plain sampling's draws decide
@@ -191,16 +194,18 @@ class _Programs(NamedTuple):
 
 @lru_cache(maxsize=4)  # bounded: each keeps its executables (and their memory maps)
 def _jitted(config: ModelConfig, attn_impl: str, compiler_options: tuple,
-            products: RowProducts) -> _Programs:
+            products: RowProducts, tp: TensorParallel | None) -> _Programs:
     """The jitted cycle, proposal and judgement of every model with this config, attention,
-    compile options and products: a second load in one process (a test's, a draft's)
-    runs what the first compiled, without tracing it again."""
+    compile options, products and mesh: a second load in one process (a test's, a
+    draft's) runs what the first compiled, without tracing it again."""
     draft_args = ("draft_config", "gamma", "draft_kind", "draft_layers", "sampler")
     jit = partial(jax.jit, compiler_options=dict(compiler_options) or None)
     return _Programs(
-        cycle=jit(partial(_cycle, config=config, attn_impl=attn_impl, products=products),
+        cycle=jit(partial(_cycle, config=config, attn_impl=attn_impl, products=products,
+                          tp=tp),
                   donate_argnames=("kv", "draft_kv"), static_argnames=(*draft_args, "method")),
-        propose=jit(partial(_propose, config=config, attn_impl=attn_impl, products=products),
+        propose=jit(partial(_propose, config=config, attn_impl=attn_impl, products=products,
+                            tp=tp),
                     donate_argnames=("kv", "draft_kv"), static_argnames=draft_args),
         judge=jit(_judge_rows, static_argnames=("sampler", "method")))
 
@@ -218,12 +223,14 @@ class SpecSteps:
     width, gamma, draft, method, sampling flags); the target's and the draft's KV are
     donated. `cycle` proposes and verifies in one program; `propose` and `judge` are
     its two halves around a ragged step that scores the proposals as rows. `products`:
-    how their weight products of a few rows run (`decoder.linear`; the steps' own)."""
+    how their weight products of a few rows run (`decoder.linear`; the steps' own); `tp`:
+    the target's mesh (a draft model's weights split over it too)."""
 
     def __init__(self, config: ModelConfig, attn_impl: str = "auto",
-                 compiler_options: dict | None = None, products: RowProducts = RowProducts()):
+                 compiler_options: dict | None = None, products: RowProducts = RowProducts(),
+                 tp: TensorParallel | None = None):
         self._programs = _jitted(config, attn_impl,
-                                 tuple(sorted((compiler_options or {}).items())), products)
+                                 tuple(sorted((compiler_options or {}).items())), products, tp)
 
     def cycle(self, params, kv, draft: Draft, draft_kv, last, positions, proposed, num_draft,
               block_tables, sampling, salt, *, gamma: int, method: str, sampler: str):

@@ -1,0 +1,190 @@
+"""Tensor parallel on 8 virtual CPU devices, run by tests/test_tensor_parallel.py in a
+process of its own (XLA_FLAGS=--xla_force_host_platform_device_count=8; by hand:
+`XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest tests/tensor_parallel_devices.py`).
+
+A split model gives one device's greedy tokens and logits, for KV-head counts that split
+(kv 2 over 2, 8 over 8) and that must be repeated (kv 1 over 8, 2 over 4, 4 over 8), on
+dense, biased and MoE models (experts whole on the devices, or each split) and the
+embedded one (9 query heads, 3 KV heads: 3 exact, 2 refused); the runtime's features run
+unchanged split; the experiment's quick run."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM)
+
+import xlr_jax
+from xlr_jax.errors import PlanError
+from xlr_jax.model.tensor_parallel import kv_heads
+
+# both sides run in f32 and differ in summation order only (psum over shards); a wrong
+# split (a head on the wrong shard, a missing all-reduce) is off by order 1
+TOL = 1e-5
+VOCAB = 64
+TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=8, head_dim=16,
+            intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=512,
+            initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None,
+            eos_token_id=0)
+MODELS = {  # name: (class, config)
+    "llama_kv1": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=1, **TINY)),
+    "llama_kv2": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=2, **TINY)),
+    "llama_kv4": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=4, **TINY)),
+    "llama_kv8": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=8, **TINY)),
+    "qwen2_bias": (Qwen2ForCausalLM, Qwen2Config(num_key_value_heads=2, **TINY)),
+    "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig(
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, **TINY)),
+}
+# (model, tensor parallel, experts whole on the devices): splits and repeats of KV heads,
+# each model once or twice; the MoE's 8 experts 4 and 1 a device, or each split 4 ways
+CASES = [("llama_kv1", 8, False), ("llama_kv2", 2, False), ("llama_kv2", 4, False),
+         ("llama_kv4", 8, False), ("llama_kv8", 8, False), ("qwen2_bias", 4, False),
+         ("qwen2_moe", 2, True), ("qwen2_moe", 8, True), ("qwen2_moe", 4, False)]
+PROMPT = [5, 9, 3, 17, 22, 41, 8, 30, 2, 11]
+LONG = np.random.default_rng(0).integers(1, VOCAB, 150).tolist()  # two full 64-token pages
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Each model of MODELS saved as a Hugging Face directory with a word-level tokenizer."""
+    root = tmp_path_factory.mktemp("tp_models")
+    paths = {}
+    for name, (cls, config) in MODELS.items():
+        torch.manual_seed(0)
+        cls(config).float().eval().save_pretrained(root / name, safe_serialization=True)
+        tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)},
+                                               unk_token="t1"))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer.save(str(root / name / "tokenizer.json"))
+        (root / name / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t0"}))
+        paths[name] = root / name
+    return paths
+
+
+def load(path, cache_dir, tensor_parallel=None, **options):
+    return xlr_jax.load_model(path, tensor_parallel=tensor_parallel, cache_dir=cache_dir,
+                              max_context=256, max_batch=4, **options)
+
+
+def outputs(model, prompt=PROMPT, max_tokens=12):
+    """Greedy tokens and the prompt's logits."""
+    tokens = model.generate(prompt, max_tokens=max_tokens, ignore_eos=True).token_ids
+    return tokens, model.logits(prompt)
+
+
+def rel_err(out, ref) -> float:
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def test_the_process_has_eight_devices():
+    assert jax.device_count() >= 8, ("run with XLA_FLAGS="
+                                     "--xla_force_host_platform_device_count=8")
+
+
+@pytest.mark.parametrize("name", sorted({case[0] for case in CASES}))
+def test_a_split_model_gives_one_devices_tokens_and_logits(name, saved, cache_dir):
+    one = load(saved[name], cache_dir)
+    ref_tokens, ref_logits = outputs(one)
+    one.shutdown()
+    assert one.plan.tensor_parallel == 1  # a model that fits one device is not split
+    for model_name, n, experts in CASES:
+        if model_name != name:
+            continue
+        # experts whole by default where they divide; split by width when told
+        split = load(saved[name], cache_dir, n, expert_parallel=None if experts else False)
+        assert split.plan.expert_parallel == experts
+        tokens, logits = outputs(split)
+        kv = split.engine.runner.kv.k  # (read now: the next step donates it)
+        split.shutdown()
+        assert split.plan.mesh == {"data": 1, "model": n}
+        # the pool holds the repeated KV heads, a device's share each
+        config = split.config
+        assert kv.shape[2] == kv_heads(config, n) == max(config.num_kv_heads, n)
+        assert {s.data.shape[2] for s in kv.addressable_shards} == {kv.shape[2] // n}
+        assert len(kv.sharding.device_set) == n
+        assert tokens == ref_tokens, (name, n)
+        assert rel_err(logits, ref_logits) < TOL, (name, n)
+
+
+def test_the_embedded_model_splits_over_three_and_refuses_two(cache_dir):
+    """9 query heads and 3 KV heads: over 3 devices each holds 3 and 1 (its Q4_1 blocks
+    too on an AVX-512 CPU, groups of 32 splitting the output product's 576 inputs in
+    three); 2 refused with the reason, before anything is read."""
+    prompts = ["The capital of France is", "List three uses of copper."]
+    got = {}
+    for n in (1, 3):  # the plan the experiment's quick run loads too (its steps shared)
+        model = xlr_jax.load_model("smollm2", dtype="float32", tensor_parallel=n,
+                                   cache_dir=cache_dir)
+        got[n] = ([model.generate(p, max_tokens=16).token_ids for p in prompts],
+                  model.logits(prompts[0]), model.plan.weights)
+        model.shutdown()
+    assert got[3][0] == got[1][0] and got[3][2] == got[1][2]
+    assert rel_err(got[3][1], got[1][1]) < TOL
+    with pytest.raises(PlanError, match="9 query heads do not split evenly over 2"):
+        xlr_jax.load_model("smollm2", tensor_parallel=2, cache_dir=cache_dir)
+
+
+def test_prefix_cache_speculation_and_preemption_run_unchanged_split(saved, cache_dir):
+    """On one device and split over 2: the prefix cache's hit, exact speculation (n-gram
+    and a self draft) and SMC with a seed, and requests preempted by a small pool, give
+    the same tokens."""
+    def run(n):
+        model = load(saved["llama_kv2"], cache_dir, n)
+        out = {"plain": outputs(model)[0], "long": outputs(model, LONG)[0]}
+        out["cached"] = outputs(model, LONG)[0]
+        out["cache_hits"] = sum(v for k, v in model.prefix_cache.stats().items()
+                                if k.endswith("_cached_tokens"))
+        for name, spec in (("ngram", {"method": "exact", "draft": "ngram", "gamma": 3}),
+                           ("self", {"method": "exact", "draft": "self:1", "gamma": 3})):
+            out[name] = model.generate(PROMPT, max_tokens=12, ignore_eos=True,
+                                       speculative=spec).token_ids
+        out["smc"] = model.generate(PROMPT, max_tokens=12, ignore_eos=True, temperature=1.0,
+                                    seed=7, speculative={"method": "smc", "draft": "self:1",
+                                                         "particles": 3}).token_ids
+        model.shutdown()
+        # 15 pages of 4 tokens for 4 requests of up to 11 + 40 tokens: some are preempted
+        small = load(saved["llama_kv2"], cache_dir, n, page_size=4, num_pages=16)
+        prompts = [[3 + i] + PROMPT for i in range(4)]
+        out["preempted"] = [r.token_ids for r in small.generate(
+            prompts, max_tokens=40, ignore_eos=True)]
+        out["preemptions"] = small.stats()["preemptions"]
+        small.shutdown()
+        return out
+
+    one, split = run(1), run(2)
+    assert split["cache_hits"] >= 128 and split["cached"] == split["long"]
+    assert split["preemptions"] > 0
+    assert one == split
+    assert split["plain"] == split["ngram"] == split["self"]  # exact: greedy's own tokens
+
+
+def test_the_tensor_parallel_experiment_quick(tmp_path, cache_dir):
+    """experiments/tensor_parallel.py --quick (on this process's cache, so the embedded
+    model's one-device and 3-device steps come compiled): each split's figures, the same
+    tokens as one device, and ratios to it."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "experiments" / "tensor_parallel.py"),
+                          "--quick", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=900, env={**os.environ, "XLR_CACHE_DIR": str(cache_dir)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    (path,) = tmp_path.glob("tensor_parallel-quick-*.json")
+    r = json.loads(path.read_text())
+    assert r["experiment"] == "tensor_parallel" and r["quick"] and "sha" in r["git"]
+    assert r["environment"]["device_count"] >= 4
+    for name, splits in (("embedded", ("tp1", "tp3")),
+                         ("random_llama_8_heads", ("tp1", "tp2", "tp4"))):
+        figures = r[name]["figures"]
+        assert tuple(figures) == splits
+        for f in figures.values():
+            assert f["same_tokens_as_one_device"]
+            assert f["decode_tokens_per_s"] > 0 and f["ttft_s"] > 0
+            assert f["decode_vs_one_device"] > 0
+        assert figures["tp1"]["decode_vs_one_device"] == 1.0

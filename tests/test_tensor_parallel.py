@@ -1,0 +1,131 @@
+"""Tensor parallel: the layout, the refusals, the plan's per-device arithmetic and the
+roofline, by hand; and the split models themselves on 8 virtual CPU devices, in a process
+of their own (tests/tensor_parallel_devices.py): XLA:CPU with 8 virtual devices runs even
+one device's programs at about half speed (measured), so the rest of the suite keeps one."""
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from xlr_jax.errors import InvalidRequestError, PlanError
+from xlr_jax.model.config import ModelConfig
+from xlr_jax.model.tensor_parallel import kv_heads, problem, shard_layer
+from xlr_jax.planning.hardware import preset
+from xlr_jax.planning.mapper import Workload, plan, weight_bytes
+from xlr_jax.planning.roofline import PRESETS
+
+
+def test_problems_name_what_does_not_divide():
+    base = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, num_layers=2,
+                       num_heads=8, num_kv_heads=2, head_dim=8, intermediate_size=100,
+                       rms_norm_eps=1e-6, rope_theta=1e4, max_context=128,
+                       tie_embeddings=True)
+    assert problem(base, 1) is None and problem(base, 2) is None
+    assert "query heads" in problem(base, 3)
+    assert "FFN width 100" in problem(base, 8)
+    assert "KV heads" in problem(dataclasses.replace(base, num_kv_heads=3, num_heads=12), 4)
+    assert kv_heads(base, 2) == 2 and kv_heads(base, 8) == 8
+
+
+def test_a_layer_is_laid_out_shard_major_with_kv_heads_repeated():
+    """Over 4 shards with 2 KV heads: shard s's rows are its 2 query heads, then K and V
+    of head s // 2; gate/up rows are shard s's quarter of gate, then of up."""
+    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=4, num_layers=1,
+                         num_heads=8, num_kv_heads=2, head_dim=2, intermediate_size=8,
+                         rms_norm_eps=1e-6, rope_theta=1e4, max_context=128,
+                         tie_embeddings=True)
+    rows = np.arange(16 + 2 * 4)  # each row's number as its value: q 0-15, k 16-19, v 20-23
+    wqkv = np.repeat(rows[:, None], 4, axis=1)
+    gate_up = np.repeat(np.arange(16)[:, None], 4, axis=1)
+    quantized = {"values": wqkv.astype(np.int8), "scales": rows[:, None].astype(np.float32)}
+    out = shard_layer({"wqkv": wqkv, "w_gate_up": gate_up, "bqkv": rows,
+                       "w_down": gate_up.T}, config, 4)
+    per_shard = out["wqkv"][:, 0].reshape(4, -1)
+    for s in range(4):
+        head = s // 2
+        k = 16 + 2 * head + np.arange(2)
+        assert per_shard[s].tolist() == [*range(4 * s, 4 * s + 4), *k, *(k + 4)]
+    assert out["bqkv"].tolist() == out["wqkv"][:, 0].tolist()
+    assert out["w_gate_up"][:, 0].reshape(4, -1).tolist() == [
+        [2 * s, 2 * s + 1, 8 + 2 * s, 9 + 2 * s] for s in range(4)]
+    assert out["w_down"] is not None and (out["w_down"] == gate_up.T).all()  # split in place
+    q = shard_layer({"wqkv": quantized}, config, 4)["wqkv"]
+    assert (q["scales"][:, 0] == out["wqkv"][:, 0]).all()  # a quantized weight's rows move
+    assert (q["values"][:, 0] == out["wqkv"][:, 0]).all()  # with their scales
+
+
+def test_the_70b_plan_on_eight_h200s_splits_eight_ways_and_adds_up():
+    """Llama-3-70B in bf16 (141 GB) does not fit one H200's usable 126.9 GB: the plan
+    splits it over all 8, and a device's weights are the untied embedding and LM head
+    whole plus an eighth of the rest; a page an eighth of the KV heads (8 of 8: one)."""
+    config = PRESETS["llama-3-70b"]
+    hw = dataclasses.replace(preset("h200"), device_count=8)
+    p = plan(hw, config, Workload())
+    assert p.mesh == {"data": 1, "model": 8}
+    assert "do not fit one device" in p.reasons["mesh"]
+    embed = config.vocab_size * config.hidden_size * 2  # bf16, embedding and LM head
+    rest = config.num_params() * 2 - 2 * embed
+    assert p.memory.weight_bytes == int(2 * embed + rest / 8)
+    per_token = config.num_layers * 2 * (config.num_kv_heads // 8) * config.head_dim * 2
+    assert p.memory.page_bytes == per_token * p.page_size
+    assert p.memory.kv_budget_bytes == (p.memory.usable_bytes - p.memory.weight_bytes
+                                        - p.memory.activation_bytes - p.memory.reserve_bytes)
+    one = dataclasses.replace(hw, device_count=1)
+    with pytest.raises(PlanError, match="more devices"):
+        plan(one, config, Workload())
+    assert plan(hw, PRESETS["llama-3-8b"], Workload()).tensor_parallel == 1
+    with pytest.raises(PlanError, match="64 query heads do not split evenly over 3"):
+        plan(hw, config, Workload(), tensor_parallel=3)
+    with pytest.raises(PlanError, match="needs 16 devices"):
+        plan(hw, config, Workload(), tensor_parallel=16)
+    assert weight_bytes(config, "bfloat16", tensor_parallel=1) == config.num_params() * 2
+
+
+def test_a_mesh_larger_than_the_devices_is_refused_with_the_flag():
+    from xlr_jax.model.tensor_parallel import make_mesh
+
+    with pytest.raises(InvalidRequestError, match="xla_force_host_platform_device_count"):
+        make_mesh(jax.device_count() + 1)
+
+
+def test_the_roofline_splits_a_step_and_adds_its_all_reduces():
+    """A device's decode bytes over 8 H200s: an eighth of the weights but the LM head's,
+    the LM head whole, an eighth of the KV heads' bytes; 160 all-reduces of one token's
+    hidden state (2 x 8192 bf16) through 450 GB/s NVLink, each with its latency."""
+    from xlr_jax.planning.roofline import ALLREDUCE_LATENCY_S, estimate
+
+    c, hw = PRESETS["llama-3-70b"], dataclasses.replace(preset("h200"), device_count=8)
+    one = estimate(c, hw, prompt=1024)
+    split = estimate(c, hw, prompt=1024, tensor_parallel=8)
+    head = c.embed_params() * 2
+    weights_one = one["decode_bytes_per_step"] - 1025 * c.num_layers * 2 * 8 * 128 * 2
+    assert split["decode_bytes_per_step"] == pytest.approx(
+        (weights_one - head) / 8 + head + 1025 * c.num_layers * 2 * 1 * 128 * 2)
+    assert hw.interconnect_gb_s == 450
+    one_reduce = 2 * 7 / 8 * (8192 * 2) / 450e9 + ALLREDUCE_LATENCY_S
+    assert split["decode_comm_s"] == pytest.approx(160 * one_reduce)
+    assert split["itl_s"] == pytest.approx(split["decode_bytes_per_step"] / 4800e9
+                                           + split["decode_comm_s"])
+    assert one["decode_comm_s"] == 0 and split["itl_s"] < one["itl_s"] / 4
+
+
+
+
+def test_split_models_on_eight_virtual_devices():
+    """tests/tensor_parallel_devices.py, every test passing (none skipped), in a process
+    with 8 virtual CPU devices."""
+    flags = (os.environ.get("XLA_FLAGS", "")
+             + " --xla_force_host_platform_device_count=8").strip()
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(Path(__file__).with_name("tensor_parallel_devices.py"))],
+                         env={**os.environ, "XLA_FLAGS": flags}, capture_output=True,
+                         text=True, timeout=1800)
+    report = out.stdout[-6000:] + out.stderr[-2000:]
+    assert out.returncode == 0, report
+    summary = out.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, report
