@@ -89,16 +89,15 @@ def kv_heads(config: ModelConfig, size: int) -> int:
     return max(config.num_kv_heads, size)
 
 
-def make_mesh(tensor_parallel: int, data_parallel: int = 1, devices=None) -> Mesh:
-    """A (data, model) mesh over the first data x tensor devices."""
-    devices = list(jax.devices() if devices is None else devices)
-    need = tensor_parallel * data_parallel
-    if need > len(devices):
+def make_mesh(tensor_parallel: int) -> Mesh:
+    """A (data, model) mesh of 1 x `tensor_parallel` over the first devices."""
+    devices = jax.devices()
+    if tensor_parallel > len(devices):
         raise InvalidRequestError(
-            f"a {data_parallel} x {tensor_parallel} mesh needs {need} devices; "
+            f"tensor parallel {tensor_parallel} needs {tensor_parallel} devices; "
             f"{len(devices)} found (on the CPU, XLA_FLAGS="
-            f"--xla_force_host_platform_device_count={need} makes that many)")
-    grid = np.array(devices[:need]).reshape(data_parallel, tensor_parallel)
+            f"--xla_force_host_platform_device_count={tensor_parallel} makes that many)")
+    grid = np.array(devices[:tensor_parallel]).reshape(1, tensor_parallel)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
@@ -191,16 +190,13 @@ class TensorParallel:
         return jax.tree.map(put, tree, specs)
 
 
-def _split_rows(total: int, parts: list[int], n: int) -> np.ndarray:
-    """Row order putting each of `n` shards' slice of every part together: parts (sizes
-    summing to `total`) laid one after another, each cut in n equal slices; shard s's
-    rows are slice s of part 0, then slice s of part 1, ..."""
+def _split_rows(parts: list[int], n: int) -> np.ndarray:
+    """Row order putting each of `n` shards' slice of every part together: parts (of
+    these sizes) laid one after another, each cut in n equal slices; shard s's rows are
+    slice s of part 0, then slice s of part 1, ..."""
     starts = np.cumsum([0] + parts[:-1])
-    order = [np.arange(start + s * size // n, start + (s + 1) * size // n)
-             for s in range(n) for start, size in zip(starts, parts)]
-    rows = np.concatenate(order)
-    assert len(rows) == total
-    return rows
+    return np.concatenate([np.arange(start + s * size // n, start + (s + 1) * size // n)
+                           for s in range(n) for start, size in zip(starts, parts)])
 
 
 def _kv_repeat_rows(config: ModelConfig, n: int) -> np.ndarray:
@@ -225,8 +221,7 @@ def shard_layer(arrays: dict, config: ModelConfig, n: int,
         return arrays
     c = config
     kv_size = kv_heads(c, n) * c.head_dim
-    qkv = _kv_repeat_rows(c, n)[_split_rows(c.q_size + 2 * kv_size,
-                                            [c.q_size, kv_size, kv_size], n)]
+    qkv = _kv_repeat_rows(c, n)[_split_rows([c.q_size, kv_size, kv_size], n)]
 
     def take(value, rows, axis):
         if isinstance(value, dict):
@@ -234,7 +229,7 @@ def shard_layer(arrays: dict, config: ModelConfig, n: int,
         return np.take(value, rows, axis=axis)
 
     def halves(width):  # [gate | up] of width each
-        return _split_rows(2 * width, [width, width], n)
+        return _split_rows([width, width], n)
 
     out = dict(arrays)
     for name, value in arrays.items():
@@ -245,8 +240,6 @@ def shard_layer(arrays: dict, config: ModelConfig, n: int,
         elif name == "w_gate_up":
             rows = (value["scales"] if isinstance(value, dict) else value).shape[0]
             out[name] = take(value, halves(rows // 2), 0)
-        elif name == "w_experts_gate_up" and not expert_parallel:
-            if isinstance(value, dict):
-                raise InvalidRequestError("quantized experts have no tensor-parallel split yet")
+        elif name == "w_experts_gate_up" and not expert_parallel:  # (experts stay float)
             out[name] = take(value, halves(value.shape[-1] // 2), value.ndim - 1)
     return out
