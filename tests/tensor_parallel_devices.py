@@ -166,6 +166,22 @@ def test_prefix_cache_speculation_and_preemption_run_unchanged_split(saved, cach
     assert split["plain"] == split["ngram"] == split["self"]  # exact: greedy's own tokens
 
 
+def test_a_split_models_stable_tier_survives_a_restart(saved, tmp_path):
+    """A stable tier written by a model split over 2 devices (its pages gathered from
+    both) is read back by the next process's split model: the whole tier cached, the
+    same tokens."""
+    stable = [t % (VOCAB - 1) + 1 for t in range(200)]
+    runs = []
+    for _ in range(2):
+        model = load(saved["llama_kv2"], tmp_path, 2)
+        r = model.generate({"stable": stable, "volatile": [5, 6, 7]}, max_tokens=8,
+                           ignore_eos=True)
+        model.shutdown()
+        runs.append((r.token_ids, r.metrics["stable_cached_tokens"]))
+    assert runs[0][1] == 0 and runs[1][1] == len(stable)
+    assert runs[1][0] == runs[0][0]
+
+
 def test_the_tensor_parallel_experiment_quick(tmp_path, cache_dir):
     """experiments/tensor_parallel.py --quick (on this process's cache, so the embedded
     model's one-device and 3-device steps come compiled): each split's figures, the same
