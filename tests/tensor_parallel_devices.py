@@ -43,11 +43,14 @@ MODELS = {  # name: (class, config)
         num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, **TINY)),
 }
-# (model, tensor parallel, experts whole on the devices): splits and repeats of KV heads,
-# each model once or twice; the MoE's 8 experts 4 and 1 a device, or each split 4 ways
-CASES = [("llama_kv1", 8, False), ("llama_kv2", 2, False), ("llama_kv2", 4, False),
-         ("llama_kv4", 8, False), ("llama_kv8", 8, False), ("qwen2_bias", 4, False),
-         ("qwen2_moe", 2, True), ("qwen2_moe", 8, True), ("qwen2_moe", 4, False)]
+# (model, tensor parallel, experts whole on the devices, load options): splits and
+# repeats of KV heads, each model once or twice; the MoE's 8 experts 4 and 1 a device, or
+# each split 4 ways; besides the CPU kernels, the Pallas kernel (interpreted) and XLA's
+# attention and products per device
+CASES = [("llama_kv1", 8, False, {}), ("llama_kv2", 2, False, {"attn_impl": "pallas"}),
+         ("llama_kv2", 4, False, {}), ("llama_kv4", 8, False, {}), ("llama_kv8", 8, False, {}),
+         ("qwen2_bias", 4, False, {"attn_impl": "xla", "linear_impl": "xla"}),
+         ("qwen2_moe", 2, True, {}), ("qwen2_moe", 8, True, {}), ("qwen2_moe", 4, False, {})]
 PROMPT = [5, 9, 3, 17, 22, 41, 8, 30, 2, 11]
 LONG = np.random.default_rng(0).integers(1, VOCAB, 150).tolist()  # two full 64-token pages
 
@@ -95,12 +98,14 @@ def test_a_split_model_gives_one_devices_tokens_and_logits(name, saved, cache_di
     ref_tokens, ref_logits = outputs(one)
     one.shutdown()
     assert one.plan.tensor_parallel == 1  # a model that fits one device is not split
-    for model_name, n, experts in CASES:
+    for model_name, n, experts, options in CASES:
         if model_name != name:
             continue
         # experts whole by default where they divide; split by width when told
-        split = load(saved[name], cache_dir, n, expert_parallel=None if experts else False)
+        split = load(saved[name], cache_dir, n, expert_parallel=None if experts else False,
+                     **options)
         assert split.plan.expert_parallel == experts
+        assert {k: getattr(split.plan, k) for k in options} == options
         tokens, logits = outputs(split)
         kv = split.engine.runner.kv.k  # (read now: the next step donates it)
         split.shutdown()

@@ -3,6 +3,7 @@ roofline, by hand; and the split models themselves on 8 virtual CPU devices, in 
 of their own (tests/tensor_parallel_devices.py): XLA:CPU with 8 virtual devices runs even
 one device's programs at about half speed (measured), so the rest of the suite keeps one."""
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -129,3 +130,47 @@ def test_split_models_on_eight_virtual_devices():
     assert out.returncode == 0, report
     summary = out.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, report
+
+
+def test_repeated_kv_heads_are_budgeted_on_every_device():
+    """2 KV heads over 8 devices: each device holds one (a copy), so a page costs a
+    device half the whole page's bytes, not an eighth; the weights count the repeated
+    K/V rows (8 heads' worth) before they split."""
+    from xlr_jax.planning.mapper import page_bytes, shard_page_bytes
+
+    config = dataclasses.replace(PRESETS["llama-3-8b"], num_kv_heads=2)
+    whole = page_bytes(config, 16, "bfloat16")
+    assert shard_page_bytes(config, 16, "bfloat16", 8) == whole // 2
+    assert shard_page_bytes(config, 16, "bfloat16", 2) == whole // 2
+    assert shard_page_bytes(config, 16, "bfloat16", 1) == whole
+    repeated = dataclasses.replace(config, num_kv_heads=8)
+    embed = config.vocab_size * config.hidden_size * 2 * 2  # untied: embedding and head
+    assert weight_bytes(config, "bfloat16", tensor_parallel=8) == pytest.approx(
+        embed + (repeated.num_params() * 2 - embed) / 8)
+
+
+def test_the_cli_plans_and_rooflines_a_split(tmp_path):
+    """`xlr plan llama-3-70b --hardware h200 --devices 8 --json` prints the 8-way mesh
+    and a device's budget; `xlr roofline ... --tensor-parallel 8 --json` a device's
+    figures and decode for each split (1, 2, 4, 8); a split the heads refuse is one line."""
+    def xlr(*args):
+        return subprocess.run([sys.executable, "-m", "xlr_jax.cli", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    out = xlr("plan", "llama-3-70b", "--hardware", "h200", "--devices", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    assert p["mesh"] == {"data": 1, "model": 8} and "do not fit" in p["reasons"]["mesh"]
+    assert p["memory"]["weight_bytes"] == plan(
+        dataclasses.replace(preset("h200"), device_count=8), PRESETS["llama-3-70b"],
+        Workload()).memory.weight_bytes
+    out = xlr("roofline", "llama-3-70b", "--hardware", "h200", "--tensor-parallel", "8",
+              "--json")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["tensor_parallel"] == 8 and r["interconnect_gb_s"] == 450
+    assert [s["tensor_parallel"] for s in r["scaling"]] == [1, 2, 4, 8]
+    itl = [s["itl_s"] for s in r["scaling"]]
+    assert itl == sorted(itl, reverse=True) and r["scaling"][0]["decode_comm_share"] == 0
+    out = xlr("roofline", "llama-3-70b", "--tensor-parallel", "3")
+    assert out.returncode == 2 and "64 query heads do not split evenly over 3" in out.stderr

@@ -155,27 +155,29 @@ def _model_config(name: str):
 
 
 def cmd_roofline(args) -> int:
-    from xlr_jax.model.tensor_parallel import problem
+    from xlr_jax.model.tensor_parallel import expert_parallel_for, problem
     from xlr_jax.planning.roofline import estimate, measured_points, plot
 
     n = args.tensor_parallel
     hw = _hardware(args.hardware, n)
     config = _model_config(args.model)
-    if (why := problem(config, n)) is not None:
+
+    def splits(k: int) -> str | None:  # as the plan splits: experts whole where they divide
+        return problem(config, k, expert_parallel_for(config, k))
+
+    if (why := splits(n)) is not None:
         raise InvalidRequestError(f"--tensor-parallel {n}: {why}")
-
-    def figures_for(split: int) -> dict:
-        return estimate(config, hw, prompt=args.prompt, batch=args.batch, context=args.context,
-                        weight_bytes=args.weight_bytes, kv_bytes=args.kv_bytes,
-                        name=Path(args.model).name, tensor_parallel=split)
-
-    figures = figures_for(n)
-    if n > 1:  # decode over each split up to n: where the all-reduces take over
-        figures["scaling"] = [
-            {"tensor_parallel": k, "itl_s": f["itl_s"], "decode_comm_share":
-             f["decode_comm_share"], "ttft_s": f["ttft_s"]}
-            for k in range(1, n + 1) if problem(config, k) is None
-            for f in [figures_for(k)]]
+    # each split up to n (decode: where the all-reduces take over), n's figures printed
+    by_split = {k: estimate(config, hw, prompt=args.prompt, batch=args.batch,
+                            context=args.context, weight_bytes=args.weight_bytes,
+                            kv_bytes=args.kv_bytes, name=Path(args.model).name,
+                            tensor_parallel=k)
+                for k in range(1, n + 1) if splits(k) is None}
+    figures = by_split[n]
+    if n > 1:
+        figures["scaling"] = [{"tensor_parallel": k, "itl_s": f["itl_s"], "ttft_s": f["ttft_s"],
+                               "decode_comm_share": f["decode_comm_share"]}
+                              for k, f in by_split.items()]
     if args.plot:
         points = [p for f in args.measured for p in measured_points(json.loads(Path(f).read_text()))]
         plot(figures, hw, args.plot, points)

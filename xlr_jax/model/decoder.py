@@ -352,6 +352,8 @@ def grouped_experts(h, chosen, lp: LayerParams, first=None):
     gate, up = jnp.split(gate_up, 2, axis=-1)
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, lp.w_experts_down, sizes)
     out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
+    # (zeros for the rows outside every group: XLA:CPU writes them so, another backend
+    # need not)
     return out if held is None else jnp.where(held[..., None], out, 0)
 
 

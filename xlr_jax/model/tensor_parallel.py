@@ -89,6 +89,12 @@ def kv_heads(config: ModelConfig, size: int) -> int:
     return max(config.num_kv_heads, size)
 
 
+def device_config(config: ModelConfig, size: int) -> ModelConfig:
+    """`config` with the KV heads one of `size` shards holds: what a device's KV page
+    costs (the plan's pages and the roofline count it)."""
+    return dataclasses.replace(config, num_kv_heads=kv_heads(config, size) // size)
+
+
 def make_mesh(tensor_parallel: int) -> Mesh:
     """A (data, model) mesh of 1 x `tensor_parallel` over the first devices."""
     devices = jax.devices()

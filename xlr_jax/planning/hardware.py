@@ -142,8 +142,7 @@ def probe(measure: bool = False) -> HardwareProfile:
         name, capability = device.device_kind, getattr(device, "compute_capability", None)
         total, free, memory_source = gpu_memory(nvml, device.memory_stats(), jax_preallocates())
     spec, source, notes = peaks(name, backend, measure)
-    link = (spec.bandwidth_gb_s if backend == "cpu" else  # (a measured GPU: the table's)
-            spec.interconnect_gb_s or (gpu_spec(name) or CONSERVATIVE_GPU).interconnect_gb_s)
+    link = spec.bandwidth_gb_s if backend == "cpu" else spec.interconnect_gb_s
     return HardwareProfile(backend, name, jax.device_count(), total, free,
                            None if capability is None else str(capability), os.cpu_count() or 1,
                            spec.bandwidth_gb_s, spec.tflops_bf16, source, notes,
@@ -153,9 +152,11 @@ def probe(measure: bool = False) -> HardwareProfile:
 def peaks(name: str, backend: str, measure: bool = False) -> tuple[GpuSpec, str, tuple]:
     """(peak rates, where they come from, notes) for a device: the table, a measurement,
     or, for an unknown device, conservative defaults with a warning saying so."""
-    if measure:
+    if measure:  # the link is not measured: a GPU's is the table's
         rates = measure_peaks()
-        return GpuSpec(rates["bandwidth_gb_s"], rates["matmul_tflops"], 0), "measured", ()
+        link = (gpu_spec(name) or CONSERVATIVE_GPU).interconnect_gb_s if backend == "gpu" else 0
+        return (GpuSpec(rates["bandwidth_gb_s"], rates["matmul_tflops"], 0, link),
+                "measured", ())
     spec = gpu_spec(name) if backend == "gpu" else None
     if spec is not None:
         return spec, "table", ()

@@ -21,7 +21,7 @@ from xlr_jax.kv.paged_kv import is_quantized
 from xlr_jax.kv.pages import pages_for
 from xlr_jax.model import quantized
 from xlr_jax.model.config import ModelConfig
-from xlr_jax.model.tensor_parallel import expert_parallel_for, kv_heads
+from xlr_jax.model.tensor_parallel import device_config, expert_parallel_for, kv_heads
 from xlr_jax.model.tensor_parallel import problem as tensor_parallel_problem
 from xlr_jax.model.weight_formats import FORMATS, WEIGHTS
 from xlr_jax.ops import IMPLS, cpu_attention, cpu_kernels, cpu_linear, walk_sizes
@@ -478,8 +478,7 @@ def weight_bytes(config: ModelConfig, compute: str, weights: str = "float",
     device's: the embedding and LM head whole, the layers split (KV heads repeated where
     fewer than the devices; model.tensor_parallel)."""
     n = tensor_parallel
-    if n > 1:
-        config = dataclasses.replace(config, num_kv_heads=kv_heads(config, n))
+    config = dataclasses.replace(config, num_kv_heads=kv_heads(config, n))
     value = quantized.BYTES_PER_VALUE[weights] if weights in FORMATS else _itemsize(compute)
     experts = config.moe_layers * config.num_experts * config.expert_params()
     whole = (config.num_params() - experts) * value + experts * _itemsize(compute)
@@ -491,9 +490,7 @@ def shard_page_bytes(config: ModelConfig, page_size: int, kv_dtype: str,
                      tensor_parallel: int = 1) -> int:
     """A KV page's bytes on one device: its share of the KV heads (repeated where fewer
     than the devices)."""
-    n = tensor_parallel
-    heads = kv_heads(config, n) // n if n > 1 else config.num_kv_heads
-    return page_bytes(dataclasses.replace(config, num_kv_heads=heads), page_size, kv_dtype)
+    return page_bytes(device_config(config, tensor_parallel), page_size, kv_dtype)
 
 
 def _tensor_parallel_for(hw: HardwareProfile, config: ModelConfig, compute: str, formats: str,
@@ -519,7 +516,7 @@ def _tensor_parallel_for(hw: HardwareProfile, config: ModelConfig, compute: str,
     elif (whole := weight_bytes(config, compute, formats)) + _reserve(hw) <= _usable(hw) \
             or hw.device_count == 1:
         why["mesh"] = ("one device holds the weights" +
-                       (f"; the other {hw.device_count - 1} can serve replicas"
+                       (f"; the other {hw.device_count - 1} are left free"
                         if hw.device_count > 1 else ""))
         n = 1
     else:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from xlr_jax.model.config import ModelConfig, RopeScaling
-from xlr_jax.model.tensor_parallel import kv_heads
+from xlr_jax.model.tensor_parallel import device_config
 from xlr_jax.planning.hardware import HardwareProfile
 
 # an all-reduce's fixed cost within one host (NCCL's small-message latency over NVLink is
@@ -141,8 +141,7 @@ def estimate(c: ModelConfig, hw: HardwareProfile, *, prompt: int, batch: int = 1
     n = tensor_parallel
     context = prompt if context is None else context
     # a device's share of the KV heads (repeated where fewer than the devices)
-    kv_share = kv_heads(c, n) / (n * c.num_kv_heads) if n > 1 else 1.0
-    kv_token = c.kv_bytes_per_token(kv_bytes) * kv_share
+    kv_token = device_config(c, n).kv_bytes_per_token(kv_bytes)
     matmul = c.active_matmul_params()
     lm_head = c.embed_params()
     head_bytes = lm_head * weight_bytes  # whole on every device
