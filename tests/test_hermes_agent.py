@@ -17,7 +17,6 @@ the plumbing (probes, streaming, usage, tiers, the cache) with an unmodified age
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from xlr_jax.server.replicas import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -103,12 +104,6 @@ def _hermes_venv() -> Path:
 
 # ------------------------------------------------------------------ the server
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -119,7 +114,7 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
 
 @contextlib.contextmanager
 def _xlr_serve(cache_dir: Path, tmp: Path):
-    port = _free_port()
+    port = free_port()
     log_dir, stderr_path = tmp / "request-log", tmp / "server.stderr"
     with stderr_path.open("w") as stderr:
         proc = subprocess.Popen(

@@ -8,13 +8,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import schemathesis
@@ -28,6 +28,7 @@ except ImportError:  # the openai client's own HTTP library, where it is httpx2
 
 from xlr_jax.server import messages as chat_messages
 from xlr_jax.server.protocol import ChatCompletionRequest
+from xlr_jax.server.replicas import free_port
 from xlr_jax.server.tiers import RecentHeads, marked_messages
 from xlr_jax.server.tool_calls import ToolCallParser, parse_whole, render_tool, tools_block
 
@@ -41,12 +42,6 @@ TOOLS = [{"type": "function", "function": {
 
 
 # ------------------------------------------------------------------ the live server
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class LiveServer:
     def __init__(self, proc, port, log_dir, stderr_path):
@@ -78,7 +73,7 @@ class LiveServer:
 
 def _start(cache_dir, tmp, *extra, devices: int | None = None) -> LiveServer:
     """`xlr serve` on a free port; `devices`: that many virtual CPU devices."""
-    port = _free_port()
+    port = free_port()
     stderr_path = tmp / "server.stderr"
     env = dict(os.environ)
     if devices is not None:
@@ -135,30 +130,117 @@ def _assert_openai_error(response, status: int):
     return error
 
 
-def test_a_server_on_float_weights_split_over_three_devices_answers_as_the_default(
-        server, cache_dir, tmp_path):
-    """`xlr serve --weights float --tensor-parallel 3` (the file dequantized to f32, each
-    layer split over the server's 3 virtual CPU devices) gives the same greedy
-    answer, whole and streamed, as the server on the plan's weights and one device (on
-    an AVX-512 CPU the file's Q4_1 blocks kept quantized: the same dequantized values)."""
-    dense = _start(cache_dir, tmp_path, "--weights", "float", "--tensor-parallel", "3",
-                   devices=3)
-    assert "each layer split over 3 devices" in dense.stderr_path.read_text()
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _gone(pid: int) -> bool:
     try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_two_replicas_split_over_three_devices_each_behind_the_router(server, cache_dir,
+                                                                      tmp_path):
+    """`xlr serve --data-parallel 2 --tensor-parallel 3 --weights float`: two replicas,
+    each a process with 3 virtual CPU devices (the file dequantized to f32, each layer
+    split over them), behind sglang-router's cache_aware policy. It gives the same greedy
+    answer, whole and streamed, as the server on the plan's weights and one device; an
+    agent's second turn goes to the replica that answered its first and finds its whole
+    stable tier and history cached; a replica that dies ends the router and the other."""
+    dp = _start(cache_dir, tmp_path, "--weights", "float", "--data-parallel", "2",
+                "--tensor-parallel", "3", "--router", "cache_aware")
+    try:
+        stderr = dp.stderr_path.read_text()
+        for i in (0, 1):
+            assert re.search(rf"\[replica {i}\] loaded in .*each layer split over 3 devices",
+                             stderr), stderr[-2000:]
+        assert [m.id for m in dp.openai().models.list().data] == [MODEL]  # via the router
         messages = [{"role": "user", "content": "Name three colors."}]
         want = _chat(server, messages, max_tokens=24).json()["choices"][0]["message"]
-        got = _chat(dense, messages, max_tokens=24).json()["choices"][0]["message"]
+        got = _chat(dp, messages, max_tokens=24).json()["choices"][0]["message"]
         assert got["content"] == want["content"] and want["content"]
-        with dense.http.stream("POST", "/v1/chat/completions", json={
+        with dp.http.stream("POST", "/v1/chat/completions", json={
                 "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 24,
                 "stream": True}) as response:
             events = _sse_events(response)
         text = "".join(e["choices"][0]["delta"].get("content") or ""
                        for e in events[:-1] if e["choices"])
         assert text == want["content"]
+        urls = re.findall(r"\[replica \d\] serving .* on (\S+)/v1", stderr)
+        assert len(urls) == 2
+        for url in urls:  # each replica answers the same
+            direct = httpx.post(url + "/v1/chat/completions", headers=dp.http.headers,
+                                json={"model": MODEL, "messages": messages, "temperature": 0,
+                                      "max_tokens": 24}, timeout=120)
+            assert direct.json()["choices"][0]["message"]["content"] == want["content"]
+
+        ids = {}  # two agents of different system prompts, two turns each
+        for agent in ("Ada", "Grace"):
+            history = [{"role": "system", "content": f"You are {agent}. " + "Be brief. " * 60}]
+            for turn in ("Say hello.", "Now say goodbye."):
+                history.append({"role": "user", "content": turn})
+                body = _chat(dp, history, max_tokens=8).json()
+                history.append(body["choices"][0]["message"])
+                ids[agent, turn] = body["id"]
+        children = _children(dp.proc.pid)  # the replicas and the router
+        replicas = [pid for pid in children
+                    if b"xlr_jax.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(replicas) == 2 and len(children) == 3
+
+        def replica_logs() -> dict:
+            found = {}
+            for i in (0, 1):
+                path = tmp_path / "log" / f"replica-{i}" / "requests.jsonl"
+                if path.exists():
+                    found.update({e["id"]: {**e, "replica": i}  # (the router's probes: 404)
+                                  for e in map(json.loads, path.read_text().splitlines())
+                                  if "id" in e})
+            return found
+        deadline = time.monotonic() + 30  # the logs are written beside the loop
+        while not set(ids.values()) <= set(logs := replica_logs()) and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        for agent in ("Ada", "Grace"):
+            first, second = logs[ids[agent, "Say hello."]], logs[ids[agent, "Now say goodbye."]]
+            assert second["replica"] == first["replica"], (agent, first, second)
+            assert second["stable_cached_tokens"] == second["stable_tokens"] > 64
+            assert second["context_cached_tokens"] > 0
+
+        os.kill(replicas[1], signal.SIGKILL)
+        assert dp.proc.wait(120) == 1
+        assert re.search(r"error: replica \d exited with code -9; stopping the others",
+                         dp.stderr_path.read_text())
+        assert all(map(_gone, children))
     finally:
-        dense.proc.kill()
-        dense.proc.wait(30)
+        if dp.proc.poll() is None:
+            dp.proc.kill()
+            dp.proc.wait(30)
+
+
+def test_replicas_that_cannot_start_end_the_server_with_the_reason(tmp_path):
+    """A replica whose model is missing ends `xlr serve --data-parallel 2` with its error
+    and the replica's name, without starting the router; SIGTERM while the replicas load
+    stops them all and exits 0."""
+    serve = [sys.executable, "-m", "xlr_jax.cli", "serve", "--data-parallel", "2",
+             "--port", str(free_port())]
+    bad = subprocess.run([*serve, "--model", str(tmp_path / "missing.gguf")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert re.search(r"\[replica \d\] error: .*missing.gguf", bad.stderr), bad.stderr
+    assert re.search(r"error: replica \d exited with code 2 while starting", bad.stderr)
+
+    loading = subprocess.Popen([*serve, "--cache-dir", str(tmp_path / "cache")],
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(replicas := _children(loading.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(replicas) == 2
+    loading.send_signal(signal.SIGTERM)
+    assert loading.wait(60) == 0
+    assert all(map(_gone, replicas))
 
 
 # ------------------------------------------------------------------ probes
@@ -172,6 +254,8 @@ def test_models_and_probe_endpoints(server):
     for path in ("/props", "/v1/props"):  # llama.cpp's probe, and where hermes-agent looks too
         assert server.http.get(path).json()["default_generation_settings"]["n_ctx"] == 8192
     assert server.http.get("/version").json()["version"]
+    info = server.http.get("/server_info").json()  # what sglang-router names the model by
+    assert info["served_model_name"] == MODEL and info["context_length"] == 8192
     schema = server.http.get("/openapi.json").json()
     chat = schema["paths"]["/v1/chat/completions"]["post"]
     assert "422" not in chat["responses"] and "400" in chat["responses"]

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlr_jax.errors import InvalidRequestError
+from xlr_jax.errors import InvalidRequestError, PlanError
 from xlr_jax.kv.tier_store import DEFAULT_QUOTA, TierStore
 from xlr_jax.loading.prompts import PromptEncoder
 from xlr_jax.loading.registry import default_cache_dir, resolve_model
@@ -28,6 +28,7 @@ from xlr_jax.planning.hardware import HardwareProfile, probe
 from xlr_jax.planning.mapper import ExecutionPlan, Workload, draft_bytes, plan
 from xlr_jax.runtime.engine import Engine
 from xlr_jax.runtime.loop import EngineLoop, RequestHandle
+from xlr_jax.runtime.mirror import Mirror
 from xlr_jax.speculative.config import Draft, ModelDraft, SpecConfig, resolve_draft
 
 
@@ -84,6 +85,12 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     nothing. `model.load_info` says what came from the cache and what the load took.
     prefix_disk_quota: bytes of stable-tier snapshots kept under cache_dir/prefix (the
     least recently used go first; default 4 GiB).
+
+    Across processes (after `jax.distributed.initialize`; `xlr ... --coordinator`), every
+    process loads the same model, split over every device of every process; process 0
+    (`model.leads`) takes requests and the others call `model.follow()`. Stable tiers
+    stay in memory and compiled steps in JAX's own cache there, and speculative decoding
+    is refused.
     """
     for name, value in (("page_size", page_size), ("num_pages", num_pages),
                         ("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
@@ -101,6 +108,13 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     source = (name_or_path if isinstance(name_or_path, ModelSource)
               else open_source(resolve_model(name_or_path), cache))
     hw = hardware or probe()
+    mirror = Mirror() if Mirror.needed() else None
+    if mirror and tensor_parallel not in (None, jax.device_count()):
+        raise PlanError(f"across {jax.process_count()} processes a model splits over all "
+                        f"{jax.device_count()} devices (got tensor_parallel "
+                        f"{tensor_parallel}); leave it out")
+    if mirror:
+        tensor_parallel, compile_cache = jax.device_count(), False
 
     def make_plan(formats: str | None = weights) -> ExecutionPlan:
         return plan(hw, source.config,
@@ -138,10 +152,11 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     # cached KV is only valid for the same weights, dtype and page layout
     namespace = (f"{loaded.source_hash}-{execution.compute_dtype}-{execution.kv_dtype}"
                  f"-{execution.page_size}" + (f"-tp{tp.size}" if tp else ""))
+    # a stable tier's pages on disk are read and written whole by one process: not across
+    tiers = None if mirror else TierStore(cache_root / "prefix", namespace, prefix_disk_quota)
     engine = Engine(source.config, params, source.tokenizer, execution,
-                    prefix_cache=prefix_cache, cache_namespace=namespace,
-                    tier_store=TierStore(cache_root / "prefix", namespace, prefix_disk_quota),
-                    tp=tp)
+                    prefix_cache=prefix_cache, cache_namespace=namespace, tier_store=tiers,
+                    tp=tp, mirror=mirror)
     preloaded = engine.runner.use_step_store(store) if store else 0
     load_info = {"load_s": time.perf_counter() - start, "params_s": loaded.load_s,
                  "params_from_cache": loaded.from_cache,
@@ -326,8 +341,24 @@ class Model:
 
     def shutdown(self) -> None:
         """Stop the model's loop: requests in flight end with finish_reason "abort" and
-        give their pages back; later calls raise. (Interpreter exit does this too.)"""
+        give their pages back; later calls raise. (Interpreter exit does this too.)
+        Across processes, the leader's also ends the followers' `follow`."""
         self._loop.shutdown()
+        if self.engine.runner.mirror and self.leads:  # after the loop's last step
+            self.engine.runner.stop_followers()
+
+    @property
+    def leads(self) -> bool:
+        """Whether this process takes requests: always, but for the followers of a model
+        loaded across processes (see load_model)."""
+        return self.engine.runner.mirror is None or self.engine.runner.mirror.leads
+
+    def follow(self) -> None:
+        """A follower process's part: run the leader's steps on this process's devices
+        until the leader's model shuts down."""
+        if self.leads:
+            raise InvalidRequestError("process 0 leads: it takes requests, not follows")
+        self.engine.runner.follow()
 
     def chat_prompt(self, messages, tools: list | None = None) -> str:
         """The conversation rendered by the chat template, ready for the assistant's turn."""
@@ -361,6 +392,9 @@ class Model:
         spec = SpecConfig.parse(speculative, policy.gamma, policy.draft or "ngram")
         if spec is None:
             return None, None
+        if self.engine.runner.mirror:
+            raise InvalidRequestError("speculative decoding runs in one process only; this "
+                                      "model spans several: send the request without it")
         weights = spec.draft_weights or self.plan.weights
         return spec, resolve_draft(spec.draft, self.config,
                                    lambda path: self._load_draft(path, weights))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ except ImportError:  # the openai client's own HTTP library, where it is httpx2
     import httpx2 as httpx
 
 from xlr_jax.loading.registry import resolve_model
+from xlr_jax.server.replicas import free_port
 
 
 class ServerError(RuntimeError):
@@ -31,9 +31,7 @@ class ServerProcess:
 
     def __init__(self, name: str, argv: list[str], log: Path, ready_path: str,
                  timeout_s: float = 600):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.name, self.log = name, log
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([a.replace("{port}", str(self.port)) for a in argv],
@@ -94,13 +92,13 @@ def stream_chat(http, model: str, messages: list[dict], max_tokens: int,
     """One greedy streaming chat completion, timed on the client: TTFT (sent to the first
     content chunk), every gap between content chunks, the reply's text, and the token
     counts of the usage chunk (`usage`: ask for one; without it, content chunks count as
-    tokens and the prompt's are unknown)."""
+    tokens and the prompt's are unknown) and the response's id (its chunks' one)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True}
     if usage:
         body["stream_options"] = {"include_usage": True}
     sent = time.perf_counter()
-    arrivals, text, counts = [], [], {}
+    arrivals, text, counts, ids = [], [], {}, set()
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise ServerError(f"HTTP {r.status_code}: {r.read()[:500]!r}")
@@ -108,6 +106,7 @@ def stream_chat(http, model: str, messages: list[dict], max_tokens: int,
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
+            ids.add(event.get("id"))
             if event.get("usage"):
                 counts = event["usage"]
             if event.get("choices") and event["choices"][0]["delta"].get("content"):
@@ -116,7 +115,7 @@ def stream_chat(http, model: str, messages: list[dict], max_tokens: int,
     done = time.perf_counter()
     return {"ttft_s": arrivals[0] - sent if arrivals else done - sent,
             "latency_s": done - sent, "gaps_s": [float(g) for g in np.diff(arrivals)],
-            "text": "".join(text),
+            "text": "".join(text), "id": ids.pop() if len(ids) == 1 else None,
             "completion_tokens": counts.get("completion_tokens", len(arrivals)),
             "prompt_tokens": counts.get("prompt_tokens"),
             "cached_tokens": (counts.get("prompt_tokens_details") or {}).get("cached_tokens")}

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +38,22 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="split each layer over N devices (a JAX mesh: query heads and FFN "
                         "columns per device, two all-reduces a layer); default: the plan's "
                         "(1 where the weights fit one device)")
+    env = os.environ
+    p.add_argument("--coordinator", default=env.get("XLR_COORDINATOR"), metavar="HOST:PORT",
+                   help="join several processes (one a host) into one mesh by "
+                        "jax.distributed: process 0 serves HOST:PORT and takes requests, "
+                        "the others run its steps on their devices; every process runs the "
+                        "same command; 'auto': JAX's cluster detection (Slurm, Open MPI, "
+                        "Kubernetes) (default: $XLR_COORDINATOR; none: one process)")
+    p.add_argument("--num-processes", type=int, default=env.get("XLR_NUM_PROCESSES"),
+                   metavar="N", help="with --coordinator: processes in all "
+                                     "(default: $XLR_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=env.get("XLR_PROCESS_ID"), metavar="I",
+                   help="with --coordinator: this process's index, 0 leads "
+                        "(default: $XLR_PROCESS_ID)")
+    p.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
+                   help="with --coordinator: seconds without a process's heartbeat before "
+                        "JAX ends the others (default 30)")
     p.add_argument("--cache-dir", default=None,
                    help="where converted params and compiled steps are cached "
                         "(default ~/.cache/xlr-jax)")
@@ -71,6 +89,14 @@ def _load(args, source=None, **options):
                        tensor_parallel=args.tensor_parallel, cache_dir=args.cache_dir,
                        prefix_cache=not args.no_prefix_cache, **options)
     split = model.plan.tensor_parallel
+    if not model.leads:  # a follower runs the leader's steps, never the command itself
+        print("following process 0 (its steps run here too) until it stops", file=sys.stderr,
+              flush=True)
+        model.follow()
+        print("process 0 stopped; done", file=sys.stderr, flush=True)
+        raise SystemExit(0)
+    if args.coordinator is not None:  # at exit, before the loop stops: the followers too
+        atexit.register(model.shutdown)
     print(f"loaded in {model.load_info['load_s']:.2f} s ({_load_summary(model.load_info)})"
           + (f", each layer split over {split} devices" if split > 1 else ""),
           file=sys.stderr, flush=True)
@@ -234,6 +260,15 @@ def cmd_serve(args) -> int:
         print(warning, file=sys.stderr, flush=True)
     if not 0 <= args.port <= 65535:
         raise XlrError(f"--port must be in 0-65535 (got {args.port})")
+    if args.data_parallel < 1:
+        raise XlrError(f"--data-parallel must be at least 1 (got {args.data_parallel})")
+    if args.data_parallel > 1:
+        from xlr_jax.server.replicas import serve_replicas
+
+        return serve_replicas(args.argv, args.data_parallel,
+                              tensor_parallel=args.tensor_parallel, host=args.host,
+                              port=args.port, policy=args.router, api_key=args.api_key,
+                              request_log=args.request_log, drain_timeout=args.drain_timeout)
     plan = {k: getattr(args, k) for k in ("max_context", "max_batch", "num_pages",
                                           "page_size", "prefill_chunk", "max_waiting",
                                           "max_step_tokens")}
@@ -277,7 +312,7 @@ def _default_served_name(model: str) -> str:
 
 
 def _add_serve_parser(sub) -> None:
-    import os
+    from xlr_jax.server.replicas import POLICIES
 
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server",
@@ -299,12 +334,21 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id clients send and /v1/models lists (default: the "
                         "model's name or file name)")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="N replicas of this server (each its own process, on its own slice "
+                        "of the GPUs) behind sglang-router on --host/--port; needs "
+                        "pip install \"xlr-jax[router]\" (default 1: no router)")
+    p.add_argument("--router", default="cache_aware", choices=POLICIES,
+                   help="with --data-parallel: the router's policy; cache_aware sends a "
+                        "request to the replica that saw the longest prefix of it, so an "
+                        "agent's turns find their history cached (default cache_aware)")
     p.add_argument("--max-waiting", type=int, default=None, metavar="N",
                    help="requests queued beyond the running batch; past it, 503 with "
                         "Retry-After (default: the plan's)")
     p.add_argument("--request-log", default=None, metavar="DIR",
                    help="append one JSON line per request to DIR/requests.jsonl (ids, "
-                        "timings, usage, cache hits; no prompt or output text)")
+                        "timings, usage, cache hits; no prompt or output text; with "
+                        "--data-parallel, DIR/replica-I/requests.jsonl for each replica)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, how long requests in flight may run on (default 30)")
     p.add_argument("--max-body-mb", type=float, default=8.0, metavar="MB",
@@ -396,7 +440,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """The `xlr` process: run one command, return its exit code."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what replicas are started with
     try:
+        if getattr(args, "coordinator", None) is not None:  # before JAX starts a backend
+            from xlr_jax.runtime import mirror
+
+            mirror.initialize(args.coordinator, args.num_processes, args.process_id,
+                              args.heartbeat_timeout)
         return args.func(args)
     except XlrError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -93,10 +93,21 @@ class StepBuilder:
     def build(self, decode_feed=None) -> StepBatch:
         """The batch; `decode_feed` (device tokens of the previous step, same rows)
         replaces the decode tokens written on the host."""
+        return place(self.host(), self.batch.bias, decode_feed)
+
+    def host(self) -> StepBatch:
+        """The batch in host arrays only, its bias None where no row has one: what
+        another process places the same step from (`place`)."""
         rows = self.batch.block_tables.shape[0]
         sampling = SamplingBatch.build(self.params, self.steps, rows)
-        # put, not jnp.asarray: that compiles a program (lax.stage) per row count
-        tokens = (jax.device_put(self.batch.decode_tokens) if decode_feed is None
-                  else decode_feed)
-        bias = self.batch.bias if self.biased is None else self.biased
-        return self.batch.replace(sampling=sampling, decode_tokens=tokens, bias=bias)
+        return self.batch.replace(sampling=sampling, bias=self.biased)
+
+
+def place(host: StepBatch, zero_bias, decode_feed=None) -> StepBatch:
+    """`host` (StepBuilder.host) ready to run: its decode tokens on the device, or
+    `decode_feed` (the previous step's device tokens, same rows) instead, and `zero_bias`
+    (the shape's zeros on the device) where it has no bias."""
+    # put, not jnp.asarray: that compiles a program (lax.stage) per row count
+    tokens = jax.device_put(host.decode_tokens) if decode_feed is None else decode_feed
+    bias = zero_bias if host.bias is None else host.bias
+    return host.replace(decode_tokens=tokens, bias=bias)

@@ -22,7 +22,7 @@ from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import Params, RowProducts, forward, forward_step, lm_head
 from xlr_jax.model.executables import ExecutableStore, compile_fresh
 from xlr_jax.model.sampling import row_logprobs, sample_rows
-from xlr_jax.model.tensor_parallel import TensorParallel
+from xlr_jax.model.tensor_parallel import TensorParallel, place_array
 from xlr_jax.ops import cpu_kernels
 from xlr_jax.planning.buckets import Buckets, step_shape, step_shapes
 from xlr_jax.model.step_batch import StepBatch, StepBuilder
@@ -131,14 +131,15 @@ class Steps:
         """A step's builder for this many decode rows and chunk tokens, in the shape
         `buckets.step_shape` gives them."""
         rows, chunk = step_shape(self.buckets, decode_rows, chunk_tokens)
-        return StepBuilder(rows, chunk, self.buckets.table_width, self._zero_bias(rows, chunk))
+        return StepBuilder(rows, chunk, self.buckets.table_width, self.zero_bias(rows, chunk))
 
-    def _zero_bias(self, rows: int, chunk: int) -> jax.Array:
+    def zero_bias(self, rows: int, chunk: int) -> jax.Array:
         """The zeros [rows, V] of steps without logits processing, kept on the device."""
         n = StepBatch.rows_of(rows, chunk)
         if n not in self._zeros:  # put, not jnp.zeros: a fresh process compiles nothing
             zeros = np.zeros((n, self.config.vocab_size), np.float32)
-            self._zeros[n] = jax.device_put(zeros, self.tp and self.tp.sharding())
+            self._zeros[n] = (jax.device_put(zeros) if self.tp is None
+                              else place_array(zeros, self.tp.sharding()))
         return self._zeros[n]
 
     def _executable(self, key: tuple, params, kv, use: bool = True) -> jax.stages.Compiled:
@@ -163,7 +164,7 @@ class Steps:
         leave the real prefill to build them."""
         _, rows, chunk = key
         batch = StepBatch.empty(rows, chunk, self.buckets.table_width,
-                                self._zero_bias(rows, chunk))
+                                self.zero_bias(rows, chunk))
         return batch.replace(chunk_len=np.int32(min(chunk, 1)))
 
     def all_logits(self, params, kv, tokens, start, num_new, block_tables):

@@ -192,8 +192,18 @@ class TensorParallel:
                         f"tensor parallel {self.size}: a weight's axis of {x.shape[axis]} "
                         f"(shape {tuple(x.shape)}) does not split evenly; a quantized "
                         "weight's groups must split with its columns (try --weights float)")
-            return jax.device_put(x, self.sharding(spec))
+            return place_array(x, self.sharding(spec))
         return jax.tree.map(put, tree, specs)
+
+
+def place_array(x, sharding: NamedSharding) -> jax.Array:
+    """`x`, a host array with the same value in every process, on `sharding`. Across
+    processes each places its own devices' blocks: jax.device_put would first check, by
+    a collective, that every process passed the same value (it gathers the whole array)."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def _split_rows(parts: list[int], n: int) -> np.ndarray:

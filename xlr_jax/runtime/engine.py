@@ -36,6 +36,7 @@ from xlr_jax.model.decoder import Params
 from xlr_jax.model.sampling_params import SamplingParams
 from xlr_jax.model.tensor_parallel import TensorParallel
 from xlr_jax.planning.mapper import ExecutionPlan
+from xlr_jax.runtime.mirror import Mirror
 from xlr_jax.runtime.model_runner import InFlight, ModelRunner
 from xlr_jax.runtime.request import GenerationResult, Request
 from xlr_jax.runtime.scheduler import Event, Scheduler, SchedulerOutput, StepPlan
@@ -50,11 +51,14 @@ class Engine:
 
     def __init__(self, config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
                  plan: ExecutionPlan, *, prefix_cache: bool = True, cache_namespace: str = "",
-                 tier_store: TierStore | None = None, tp: TensorParallel | None = None):
+                 tier_store: TierStore | None = None, tp: TensorParallel | None = None,
+                 mirror: Mirror | None = None):
         """An engine with every size, dtype, bucket and kernel the Execution Plan fixed.
         `prefix_cache`: share repeated prompt prefixes (`cache_namespace` keeps models
         apart in it) and keep stable tiers on disk (`tier_store`). `tp`: the mesh the
-        params are split over (model.tensor_parallel; the plan's `tensor_parallel`)."""
+        params are split over (model.tensor_parallel; the plan's `tensor_parallel`).
+        `mirror`: across processes, the leader's runner sends its programs' inputs to the
+        followers' (runtime/mirror.py)."""
         self.config, self.tokenizer, self.plan = config, tokenizer, plan
         self.max_context = plan.max_context
         self.buckets = plan.buckets  # the shapes every step is compiled for
@@ -64,7 +68,7 @@ class Engine:
                                   page_size=plan.page_size, kv_dtype=jnp.dtype(plan.kv_dtype),
                                   buckets=self.buckets, attn_impl=plan.attn_impl,
                                   compiler_options=plan.compiler_options,
-                                  page_ops=lambda: self.kv.take_ops(), tp=tp)
+                                  page_ops=lambda: self.kv.take_ops(), tp=tp, mirror=mirror)
         self.kv = KVManager(plan.num_pages, plan.page_size, self.runner.kv_layout(),
                             prefix_cache=prefix_cache, namespace=cache_namespace,
                             max_pinned_share=plan.max_pinned_share, tier_store=tier_store)

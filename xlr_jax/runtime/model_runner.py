@@ -9,6 +9,11 @@ engine runs ahead). Before any program touches the KV, the page operations the K
 manager queued (copy-on-write copies, stable tiers written in or read out) are applied,
 in order. Nothing else assigns device state: benchmarks and experiments read `params`
 and `kv`, and time single steps through `run_step`.
+
+Across processes (`jax.distributed`), the leader's runner sends each program's host
+inputs to the followers' runners before running it, and theirs run the same
+(`follow`; see mirror.py). Speculative decoding (its own programs) runs in one process
+only: `Model` refuses it across processes.
 """
 from __future__ import annotations
 
@@ -29,10 +34,11 @@ from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import Params
 from xlr_jax.model.executables import ExecutableStore, compile_for_later
 from xlr_jax.model.sampling import SamplingBatch, sampler_for
-from xlr_jax.model.step_batch import StepBatch
+from xlr_jax.model.step_batch import StepBatch, place
 from xlr_jax.model.steps import Steps
 from xlr_jax.model.tensor_parallel import TensorParallel, kv_heads
 from xlr_jax.planning.buckets import Buckets, pick_bucket
+from xlr_jax.runtime.mirror import Mirror
 from xlr_jax.runtime.scheduler import RunnerOutput, SchedulerOutput
 from xlr_jax.speculative.config import Draft, ModelDraft
 from xlr_jax.speculative.acceptance import accept_by_matching
@@ -60,8 +66,9 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params: Params, *, num_pages: int,
                  page_size: int, kv_dtype, buckets: Buckets, attn_impl: str,
                  compiler_options: dict | None, page_ops: Callable[[], list[PageOp]],
-                 tp: TensorParallel | None = None):
-        self.config, self.buckets, self.tp = config, buckets, tp
+                 tp: TensorParallel | None = None, mirror: Mirror | None = None):
+        self.config, self.buckets, self.tp, self.mirror = config, buckets, tp, mirror
+        self._followers_stopped = False
         self._params = params.per_layer()
         self._kv = self._new_kv(config, num_pages, page_size, kv_dtype)
         self.steps = Steps(config, buckets, attn_impl, compiler_options, tp)
@@ -101,7 +108,13 @@ class ModelRunner:
 
     def apply_page_ops(self) -> None:
         """Apply the queued page operations, in order (see the module docstring)."""
-        for op in self._page_ops():
+        ops = self._page_ops()
+        if ops and self.mirror:
+            self.mirror.send("pages", ops)
+        self._apply(ops)
+
+    def _apply(self, ops: list[PageOp]) -> None:
+        for op in ops:
             if isinstance(op, PageCopy):
                 src, dst = (np.asarray(ids, np.int32) for ids in (op.src, op.dst))
                 self._kv = copy_pages(self._kv, src, dst)
@@ -133,6 +146,8 @@ class ModelRunner:
             if out.chunk_bias is not None:
                 build.bias(build.batch.decode_rows, out.chunk_bias)
         started = time.perf_counter()
+        if self.mirror:
+            self.mirror.send("step", build.host(), feed is not None)
         batch = build.build(feed)
         tokens, logits, logprobs, self._kv = self.steps.step(self._params, self._kv, batch)
         return InFlight(out, tokens, logits, logprobs, batch.sampling, started)
@@ -196,6 +211,8 @@ class ModelRunner:
         masked = np.zeros(len(bias), bool)
         for j, values in biased:
             bias[j], masked[j] = values, True
+        if self.mirror:
+            self.mirror.send("redraw", bias, masked)
         step.tokens, step.logprobs = self.steps.redraw(step.logits, step.tokens, bias,
                                                        masked, step.sampling)
 
@@ -217,16 +234,21 @@ class ModelRunner:
     def logits(self, ids: list[int], seq: SequencePages) -> np.ndarray:
         """Logits [len(ids), vocab] of `ids` written from position 0 into `seq`'s pages."""
         self.apply_page_ops()
-        chunks, self._kv = self._prefill_all(self.steps, self._params, self._kv, ids, seq)
+        table = self._table(seq)
+        if self.mirror:
+            self.mirror.send("logits", ids, table)
+        chunks, self._kv = self._prefill_all(self.steps, self._params, self._kv, ids, table)
         return np.concatenate([np.asarray(c) for c in chunks])
 
+    def _table(self, seq: SequencePages) -> np.ndarray:
+        return seq.block_table(pick_bucket(len(seq.pages), self.buckets.pages))[None]
+
     def _prefill_all(self, steps: Steps, params, kv: PagedKV, ids: list[int],
-                     seq: SequencePages) -> tuple[list, PagedKV]:
-        """Write `ids` from position 0 into `seq`'s pages of `kv`, chunk by chunk, with
-        `steps`/`params` (the target's, or a draft model's for its own KV); returns
-        each chunk's logits on the device and the new KV."""
+                     table: np.ndarray) -> tuple[list, PagedKV]:
+        """Write `ids` from position 0 into the pages of `table` [1, W] of `kv`, chunk by
+        chunk, with `steps`/`params` (the target's, or a draft model's for its own KV);
+        returns each chunk's logits on the device and the new KV."""
         chunk = self.buckets.chunk[-1]
-        table = seq.block_table(pick_bucket(len(seq.pages), self.buckets.pages))[None]
         out = []
         for s in range(0, len(ids), chunk):
             part = ids[s:s + chunk]
@@ -249,7 +271,8 @@ class ModelRunner:
                                                   self.steps.attn_impl,
                                                   self.steps.compiler_options, self.tp)
         _, self._draft_kvs[draft.name] = self._prefill_all(
-            self._draft_steps[draft.name], draft.params, self._draft_kvs[draft.name], ids, seq)
+            self._draft_steps[draft.name], draft.params, self._draft_kvs[draft.name], ids,
+            self._table(seq))
 
     def cycle(self, draft: Draft, x, proposed, *, gamma: int, method: str):
         """One speculative cycle over rows `x` (`PassInputs`) with host proposals
@@ -298,3 +321,35 @@ class ModelRunner:
     def warmup(self, progress: bool = True) -> list[dict]:
         """Compile every step shape serving may run (see Steps.warmup)."""
         return self.steps.warmup(self._params, self._kv, progress)
+
+    # ------------------------------------------------------------ across processes
+
+    def stop_followers(self) -> None:
+        """The leader's last message (once): the followers' `follow` returns."""
+        if not self._followers_stopped:
+            self._followers_stopped = True
+            self.mirror.send("stop")
+
+    def follow(self) -> None:
+        """A follower's part: run what the leader's runner sends, in order, until it
+        stops (see the module docstring). A step fed by the previous one's tokens takes
+        this process's copy of them."""
+        last = None  # the last step's (tokens, logits, sampling), on the device
+        while True:
+            kind, *args = self.mirror.receive()
+            if kind == "stop":
+                return
+            if kind == "pages":
+                self._apply(args[0])
+            elif kind == "step":
+                host, fed = args
+                batch = place(host, self.steps.zero_bias(host.decode_rows, host.chunk),
+                              last[0] if fed else None)
+                tokens, logits, _, self._kv = self.steps.step(self._params, self._kv, batch)
+                last = (tokens, logits, batch.sampling)
+            elif kind == "redraw":
+                tokens, logits, sampling = last
+                tokens, _ = self.steps.redraw(logits, tokens, *args, sampling)
+                last = (tokens, logits, sampling)
+            elif kind == "logits":
+                _, self._kv = self._prefill_all(self.steps, self._params, self._kv, *args)

@@ -582,6 +582,13 @@ def create_app(model, *, served_model_name: str, api_key: str | None = None,
                 "total_slots": model.plan.max_batch, "model_alias": server.name,
                 "build_info": f"xlr-jax {xlr_jax.__version__}"}
 
+    @app.get("/server_info")
+    async def server_info():
+        """SGLang's probe: sglang-router (`xlr serve --data-parallel`) lists the replicas'
+        model under this name."""
+        return {"served_model_name": server.name, "context_length": server.max_context,
+                "version": xlr_jax.__version__}
+
     @app.get("/version")
     async def version():
         return {"version": xlr_jax.__version__, "name": "xlr-jax"}
