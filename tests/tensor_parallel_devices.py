@@ -6,7 +6,8 @@ A split model gives one device's greedy tokens and logits, for KV-head counts th
 (kv 2 over 2, 8 over 8) and that must be repeated (kv 1 over 8, 2 over 4, 4 over 8), on
 dense, biased and MoE models (experts whole on the devices, or each split) and the
 embedded one (9 query heads, 3 KV heads: 3 exact, 2 refused); the runtime's features run
-unchanged split; the experiment's quick run."""
+unchanged split; the experiment's quick run and the GPU script's smoke run."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -209,3 +210,21 @@ def test_the_tensor_parallel_experiment_quick(tmp_path, cache_dir):
             assert f["decode_tokens_per_s"] > 0 and f["ttft_s"] > 0
             assert f["decode_vs_one_device"] > 0
         assert figures["tp1"]["decode_vs_one_device"] == 1.0
+
+
+def test_the_gpu_tensor_parallel_script_smoke(tmp_path):
+    """experiments/gpu_tensor_parallel.py --smoke, in this 8-device process: every split
+    of 1, 2, 4 and 8 runs on its mesh (1 too) with its roofline figures."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_tensor_parallel",
+        Path(__file__).resolve().parents[1] / "experiments" / "gpu_tensor_parallel.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--smoke", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("gpu_tensor_parallel-quick-*.json")
+    r = json.loads(path.read_text())
+    assert tuple(r["figures"]) == ("tp1", "tp2", "tp4", "tp8")
+    for name, f in r["figures"].items():
+        assert f["mesh"] == {"data": 1, "model": int(name[2:])}
+        assert f["decode_tokens_per_s"] > 0 and f["roofline_itl_s"] > 0
+        assert f["roofline_fraction"] > 0 and f["speedup_vs_one_device"] > 0

@@ -5,6 +5,7 @@ runner with `generate(ids, n) -> Run`; `measure` times any of them the same way.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -20,6 +21,7 @@ from xlr_jax.loading.registry import resolve_model
 from xlr_jax.model.config import ModelConfig
 from xlr_jax.model.decoder import LayerParams, Params
 from xlr_jax.model.sampling_params import SamplingParams
+from xlr_jax.model.tensor_parallel import TensorParallel, kv_heads, make_mesh
 from xlr_jax.planning.hardware import probe
 from xlr_jax.planning.mapper import Workload, plan
 from xlr_jax.runtime.engine import Engine
@@ -129,18 +131,27 @@ def random_params(config: ModelConfig, dtype, seed: int) -> Params:
 
 
 def random_xlr(spec: dict) -> XlrRunner:
+    """Random weights of `spec["shape"]`; with `tensor_parallel` N, split over a 1 x N mesh
+    (N = 1 too: the split code on one device)."""
     dtype = jnp.dtype(spec.get("dtype", "bfloat16"))
     config = ModelConfig(**spec["shape"])
     page_size = spec.get("page_size", 64)
+    n = spec.get("tensor_parallel")
     p = plan(probe(), config, Workload(max_batch=1, prefill_chunk=spec.get("prefill_chunk", 512),
                                        max_context=config.max_context),
              dtype=dtype.name, page_size=page_size,
-             num_pages=2 * pages_for(config.max_context, page_size) + 1)
-    engine = Engine(config, random_params(config, dtype, spec.get("seed", 0)), None, p,
-                    prefix_cache=False)
+             num_pages=2 * pages_for(config.max_context, page_size) + 1, tensor_parallel=n)
+    tp = None if n is None else TensorParallel(make_mesh(n), p.expert_parallel)
+    # KV heads repeated where fewer than the devices: random weights of that many
+    params = random_params(config if tp is None else
+                           dataclasses.replace(config, num_kv_heads=kv_heads(config, n)),
+                           dtype, spec.get("seed", 0))
+    if tp is not None:
+        params = tp.place(params, tp.param_specs(params))
+    engine = Engine(config, params, None, p, prefix_cache=False, tp=tp)
     info = {"model": f"random {config.architecture} weights", "dtype": dtype.name,
             "shape": spec["shape"], "param_bytes": engine.runner.params.nbytes(),
-            "attn_impl": p.attn_impl}
+            "attn_impl": p.attn_impl, "mesh": p.mesh}
     return XlrRunner(spec.get("label", "xlr-jax-random"), engine, info)
 
 
