@@ -28,7 +28,8 @@ except ImportError:  # the openai client's own HTTP library, where it is httpx2
 
 from xlr_jax.server import messages as chat_messages
 from xlr_jax.server.protocol import ChatCompletionRequest
-from xlr_jax.server.replicas import free_port
+from xlr_jax.errors import XlrError
+from xlr_jax.server.replicas import free_port, replica_devices
 from xlr_jax.server.tiers import RecentHeads, marked_messages
 from xlr_jax.server.tool_calls import ToolCallParser, parse_whole, render_tool, tools_block
 
@@ -817,6 +818,32 @@ def test_serve_help_and_the_exposure_warning():
     bad = cli("--host", "0.0.0.0", "--port", "70000")
     assert bad.returncode == 2 and "without --api-key" in bad.stderr
     assert "--port must be" in bad.stderr
+
+
+def test_replicas_take_their_slice_of_the_devices(monkeypatch):
+    """GPUs in groups of --tensor-parallel (an equal share by default); on the CPU, each
+    replica process gets its own virtual devices."""
+    gpus = [str(i) for i in range(8)]
+    assert replica_devices(2, 4, gpus) == [{"CUDA_VISIBLE_DEVICES": "0,1,2,3"},
+                                           {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}]
+    assert replica_devices(4, None, gpus)[3] == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    assert replica_devices(2, 1, ["GPU-a", "GPU-b"]) == [{"CUDA_VISIBLE_DEVICES": "GPU-a"},
+                                                        {"CUDA_VISIBLE_DEVICES": "GPU-b"}]
+    with pytest.raises(XlrError, match="--data-parallel 3 x --tensor-parallel 4 needs 12 "
+                                       "GPUs; 8 visible"):
+        replica_devices(3, 4, gpus)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    assert replica_devices(2, 3, []) == [{"XLA_FLAGS": "--xla_cpu_enable_fast_math=false "
+                                          "--xla_force_host_platform_device_count=3"}] * 2
+    assert replica_devices(2, None, []) == [{}, {}]
+
+
+def test_data_parallel_and_several_processes_are_refused_together():
+    run = subprocess.run([sys.executable, "-m", "xlr_jax.cli", "serve", "--data-parallel",
+                          "2", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
+                          "--process-id", "0"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "--data-parallel and --coordinator" in run.stderr
 
 
 def test_recent_heads_cut_the_stable_tier_to_the_shared_pages():

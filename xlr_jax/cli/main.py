@@ -445,6 +445,11 @@ def main(argv=None) -> int:
         if getattr(args, "coordinator", None) is not None:  # before JAX starts a backend
             from xlr_jax.runtime import mirror
 
+            if getattr(args, "data_parallel", 1) > 1:
+                raise XlrError("--data-parallel and --coordinator do not combine: replicas "
+                               "run on one host; across hosts, run one xlr serve per "
+                               "replica's group of processes")
+
             mirror.initialize(args.coordinator, args.num_processes, args.process_id,
                               args.heartbeat_timeout)
         return args.func(args)
