@@ -28,19 +28,25 @@ HEARTBEAT_S = 5
 
 
 class Pair:
-    """`xlr serve` as process 0 (the leader, on an HTTP port) and process 1 (a follower)."""
+    """`xlr serve` as process 0 (the leader, on an HTTP port, joined by flags) and process
+    1 (a follower, joined by XLR_COORDINATOR, XLR_NUM_PROCESSES and XLR_PROCESS_ID)."""
 
     def __init__(self, model, cache_dir, tmp):
         self.port = free_port()
         serve = [sys.executable, "-m", "xlr_jax.cli", "serve", "--model", str(model),
                  "--port", str(self.port), "--cache-dir", str(cache_dir),
-                 "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2",
                  "--heartbeat-timeout", str(HEARTBEAT_S)]
+        coordinator = f"127.0.0.1:{free_port()}"
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+        joined = {"XLR_COORDINATOR": coordinator, "XLR_NUM_PROCESSES": "2",
+                  "XLR_PROCESS_ID": "1"}
         self.logs = [tmp / f"process-{i}.log" for i in (0, 1)]
-        self.procs = [subprocess.Popen([*serve, "--process-id", str(i)], env=env,
-                                       stdout=subprocess.DEVNULL, stderr=log.open("w"))
-                      for i, log in enumerate(self.logs)]
+        self.procs = [subprocess.Popen(argv, env=e, stdout=subprocess.DEVNULL,
+                                       stderr=log.open("w"))
+                      for argv, e, log in zip(
+                          [[*serve, "--coordinator", coordinator, "--num-processes", "2",
+                            "--process-id", "0"], serve],
+                          [env, {**env, **joined}], self.logs)]
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=120)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:

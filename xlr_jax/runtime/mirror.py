@@ -21,6 +21,7 @@ import pickle
 import jax
 import numpy as np
 
+
 def initialize(coordinator: str | None, num_processes: int | None,
                process_id: int | None, heartbeat_s: int = 30) -> None:
     """Join this process to the others before JAX starts a backend: `coordinator`

@@ -146,11 +146,17 @@ class ModelRunner:
             if out.chunk_bias is not None:
                 build.bias(build.batch.decode_rows, out.chunk_bias)
         started = time.perf_counter()
+        host = build.host()
         if self.mirror:
-            self.mirror.send("step", build.host(), feed is not None)
-        batch = build.build(feed)
+            self.mirror.send("step", host, feed is not None)
+        return InFlight(out, *self._run_step(host, feed), started)
+
+    def _run_step(self, host: StepBatch, feed) -> tuple:
+        """Run the step of `host` (StepBuilder.host), its decode tokens replaced by `feed`
+        (device tokens) where given: (tokens, logits, logprobs, sampling), on the device."""
+        batch = place(host, self.steps.zero_bias(host.decode_rows, host.chunk), feed)
         tokens, logits, logprobs, self._kv = self.steps.step(self._params, self._kv, batch)
-        return InFlight(out, tokens, logits, logprobs, batch.sampling, started)
+        return tokens, logits, logprobs, batch.sampling
 
     def read(self, step: InFlight, timed: bool = True) -> RunnerOutput:
         """Read a dispatched step's tokens (and log-probabilities, where its requests asked)
@@ -341,12 +347,10 @@ class ModelRunner:
                 return
             if kind == "pages":
                 self._apply(args[0])
-            elif kind == "step":
+            elif kind == "step":  # fed: by the tokens of the step before (run-ahead)
                 host, fed = args
-                batch = place(host, self.steps.zero_bias(host.decode_rows, host.chunk),
-                              last[0] if fed else None)
-                tokens, logits, _, self._kv = self.steps.step(self._params, self._kv, batch)
-                last = (tokens, logits, batch.sampling)
+                tokens, logits, _, sampling = self._run_step(host, last[0] if fed else None)
+                last = (tokens, logits, sampling)
             elif kind == "redraw":
                 tokens, logits, sampling = last
                 tokens, _ = self.steps.redraw(logits, tokens, *args, sampling)
