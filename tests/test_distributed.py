@@ -140,3 +140,18 @@ def test_coordinator_without_its_count_and_index_is_refused():
                          timeout=60)
     assert run.returncode == 2
     assert "--coordinator 127.0.0.1:1 needs --num-processes N and --process-id I" in run.stderr
+
+
+def test_the_several_processes_experiment_quick(tmp_path):
+    """experiments/several_processes.py --quick: the same split in one process and in two,
+    side by side: both decode, the same tokens, the ratios written."""
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] /
+                                              "experiments" / "several_processes.py"),
+                          "--quick", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (path,) = tmp_path.glob("several_processes-quick-*.json")
+    r = json.loads(path.read_text())
+    assert r["same_tokens"] and r["decode_two_over_one"] > 0 and r["ttft_two_over_one"] > 0
+    assert all(len(f["token_ids"]) == 8 and f["decode_tokens_per_s"] > 0
+               for f in r["figures"].values())

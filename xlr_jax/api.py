@@ -114,7 +114,7 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                         f"{jax.device_count()} devices (got tensor_parallel "
                         f"{tensor_parallel}); leave it out")
     if mirror:
-        tensor_parallel, compile_cache = jax.device_count(), False
+        tensor_parallel = jax.device_count()
 
     def make_plan(formats: str | None = weights) -> ExecutionPlan:
         return plan(hw, source.config,
@@ -146,6 +146,7 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     store = None
     if compile_cache:
         _use_compilation_cache(cache_root)
+    if compile_cache and not mirror:  # (its executables are one process's)
         store = ExecutableStore(cache_root / "executables" / _steps_fingerprint(
             source.config, execution, params), tp and list(tp.mesh.devices.flat))
         store.preload()  # read on other threads while the KV pool is allocated
