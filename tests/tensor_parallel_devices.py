@@ -6,7 +6,8 @@ A split model gives one device's greedy tokens and logits, for KV-head counts th
 (kv 2 over 2, 8 over 8) and that must be repeated (kv 1 over 8, 2 over 4, 4 over 8), on
 dense, biased and MoE models (experts whole on the devices, or each split) and the
 embedded one (9 query heads, 3 KV heads: 3 exact, 2 refused); the runtime's features run
-unchanged split; the experiment's quick run and the GPU script's smoke run."""
+unchanged split; prefill on devices of its own; the experiments' quick runs and the GPU
+script's smoke run."""
 import importlib.util
 import json
 import os
@@ -23,7 +24,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCa
                           Qwen2MoeConfig, Qwen2MoeForCausalLM)
 
 import xlr_jax
-from xlr_jax.errors import PlanError
+from xlr_jax.errors import InvalidRequestError, PlanError
 from xlr_jax.model.tensor_parallel import kv_heads
 
 # both sides run in f32 and differ in summation order only (psum over shards); a wrong
@@ -172,6 +173,48 @@ def test_prefix_cache_speculation_and_preemption_run_unchanged_split(saved, cach
     assert split["plain"] == split["ngram"] == split["self"]  # exact: greedy's own tokens
 
 
+def test_prefill_on_devices_of_its_own_gives_one_devices_tokens(saved, cache_dir):
+    """Prompts of 1 to 5 chunks submitted together (streams decode while the others'
+    chunks prefill apart, their pages then moved) into a pool too small for all of them
+    (requests are preempted and resume by prefill, apart too): prefill on device 1 beside
+    one decode device, and on devices 2-3 beside two, give the tokens of one device that
+    does both; each slice holds its own pool; the warm-up compiles decode steps on one
+    and chunk steps on the other; speculation is refused."""
+    prompts = [PROMPT, LONG, LONG[:70], [3] + PROMPT]
+
+    def run(decode, prefill=None, warm=False):
+        # 47 pages of 4 tokens: LONG fits alone, not beside the others' 16 tokens each
+        model = load(saved["llama_kv2"], cache_dir, decode, prefix_cache=False,
+                     prefill_chunk=32, page_size=4, num_pages=48, prefill_devices=prefill)
+        report = model.warmup(progress=False) if warm else []
+        out = {"tokens": [r.token_ids for r in model.generate(prompts, max_tokens=16,
+                                                              ignore_eos=True)],
+               "preempted": model.stats()["preemptions"] > 0}
+        # 4 x 13 pages: requests preempted after some tokens resume with them
+        out["resumed"] = [r.token_ids for r in model.generate(
+            [[3 + i] + PROMPT for i in range(4)], max_tokens=40, ignore_eos=True)]
+        slices = [model.engine.runner.kv.k.sharding.device_set]
+        if prefill:
+            slices.append(model.engine.prefill_runner.kv.k.sharding.device_set)
+            out["prefill_steps"] = model.stats()["prefill_steps"]
+            with pytest.raises(InvalidRequestError, match="prefill_devices"):
+                model.generate(PROMPT, max_tokens=4, speculative={"method": "exact"})
+        model.shutdown()
+        return out, slices, report
+
+    (one, _, _), devices = run(None), jax.devices()
+    apart, slices, report = run(None, 1, warm=True)
+    assert slices == [{devices[0]}, {devices[1]}]
+    assert {(r["decode_rows"] > 0, r["chunk"] > 0) for r in report} == {(True, False),
+                                                                         (False, True)}
+    assert apart.pop("prefill_steps") >= 1 + 5 + 3 + 1  # every chunk apart
+    assert apart["preempted"] and apart == one
+    split, slices, _ = run(2, 2)
+    assert slices == [set(devices[:2]), set(devices[2:4])]
+    split.pop("prefill_steps")
+    assert split == one
+
+
 def test_a_split_models_stable_tier_survives_a_restart(saved, tmp_path):
     """A stable tier written by a model split over 2 devices (its pages gathered from
     both) is read back by the next process's split model: the whole tier cached, the
@@ -210,6 +253,27 @@ def test_the_tensor_parallel_experiment_quick(tmp_path, cache_dir):
             assert f["decode_tokens_per_s"] > 0 and f["ttft_s"] > 0
             assert f["decode_vs_one_device"] > 0
         assert figures["tp1"]["decode_vs_one_device"] == 1.0
+
+
+def test_the_prefill_split_experiment_quick(tmp_path, cache_dir, monkeypatch):
+    """experiments/prefill_split.py --quick, in this process: the embedded model gives
+    the same tokens with prefill apart as with prefill in the decode steps, and both
+    setups have their ITL, TTFT and throughput figures and ratios."""
+    monkeypatch.setenv("XLR_CACHE_DIR", str(cache_dir))
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # (the script adds)
+    spec = importlib.util.spec_from_file_location(
+        "prefill_split", Path(__file__).resolve().parents[1] / "experiments" / "prefill_split.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    r = script.main(["--quick", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("prefill_split-quick-*.json")
+    assert json.loads(path.read_text())["same_tokens"] is r["same_tokens"] is True
+    assert tuple(r["figures"]) == ("prefill in the decode steps",
+                                   "prefill on a device of its own")
+    for f in r["figures"].values():
+        assert 0 < f["itl_p50_s"] <= f["itl_p99_s"] <= f["itl_max_s"]
+        assert f["prompt_ttft_s"] > 0 and f["stream_tokens_per_s"] > 0
+    assert r["split_over_base"]["itl_p99_s"] > 0
 
 
 def test_the_gpu_tensor_parallel_script_smoke(tmp_path):

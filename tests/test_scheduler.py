@@ -19,13 +19,14 @@ CONTEXT = 256
 
 
 def make_scheduler(num_pages=32, max_batch=4, chunk=16, budget=None, prefix_cache=True,
-                   max_preemptions=2, rows_up_to_context=512) -> Scheduler:
+                   max_preemptions=2, rows_up_to_context=512,
+                   separate_prefill=False) -> Scheduler:
     kv = KVManager(num_pages, PAGE, {}, prefix_cache=prefix_cache, namespace="test")
     buckets = buckets_for(max_batch, chunk, -(-CONTEXT // PAGE), dense=True)
     return Scheduler(kv, buckets, max_batch=max_batch,
                      max_step_tokens=budget or max_batch + chunk, step_cost_tokens=0,
                      max_preemptions=max_preemptions, vocab_size=1000, rows_from_streams=3,
-                     rows_up_to_context=rows_up_to_context)
+                     rows_up_to_context=rows_up_to_context, separate_prefill=separate_prefill)
 
 
 def make_request(s: Scheduler, index: int, prompt: list[int], max_tokens=8,
@@ -241,6 +242,68 @@ def test_run_ahead_only_for_the_same_decode_rows_with_nobody_joining():
     assert out.decode == [a] and s.can_run_ahead(out)
     s.add(make_request(s, 1, [4, 5], max_tokens=2))
     assert not s.can_run_ahead(out)  # a newcomer may join
+
+
+def test_apart_a_prompt_takes_whole_chunks_one_at_a_time_beside_the_decode_steps():
+    """Prefill on devices of its own: the chunk is a step of its own (whole chunks: the
+    step budget binds only a shared step), the decode steps carry no chunk and run ahead
+    while it runs, and the next chunk waits for the last one's update; the prompt's
+    first token is its last chunk's row, and then it decodes beside the stream."""
+    s = make_scheduler(max_batch=2, chunk=32, budget=20, prefix_cache=False,
+                       separate_prefill=True)
+    stream = make_request(s, 0, [7, 7, 7], max_tokens=20)
+    s.add(stream)
+    out = s.schedule()  # its prompt, apart
+    assert not out.runs and out.prefill.chunk is stream and s.prefilling is stream
+    s.update(out.prefill, fake_result(s, out.prefill))
+    assert s.prefilling is None and stream.generated == [100]
+    newcomer = make_request(s, 1, list(range(10, 50)), max_tokens=2)
+    s.add(newcomer)
+    chunks, prefill = [], None
+    while not newcomer.generated:
+        out = s.schedule()
+        assert out.decode == [stream] and out.chunk is None
+        if prefill is not None:  # the last chunk not taken yet: no other starts
+            assert out.prefill is None and s.prefilling is newcomer
+            assert s.can_run_ahead(out)  # only the prefilling request is not a row
+            s.update(prefill, fake_result(s, prefill))
+            prefill = None
+        else:
+            prefill = out.prefill
+            chunks.append(len(prefill.chunk_tokens))
+            assert prefill.decode == [] and prefill.chunk is newcomer
+        s.update(out, fake_result(s, out))
+    assert chunks == [32, 8] and newcomer.generated == [200]
+    out = s.schedule()
+    assert out.decode == [stream, newcomer] and out.prefill is None
+
+
+def test_apart_a_preempted_request_takes_no_row_before_its_last_chunk_is_read_back():
+    """Prefill apart, each chunk's step read back one iteration late (as the engine does
+    while decode steps run): requests preempted by a 5-page pool resume (their last
+    chunk makes them decoding again as it is dispatched) but take decode rows only once
+    that chunk is read back; every request ends with all its tokens."""
+    s = make_scheduler(num_pages=6, max_batch=2, prefix_cache=False, max_preemptions=1,
+                       separate_prefill=True)
+    reqs = [make_request(s, i, [1 + 3 * i, 2, 3], max_tokens=9) for i in range(2)]
+    for r in reqs:
+        s.add(r)
+    results, pending = {}, None
+    for _ in range(200):
+        s.drop_ended()
+        if s.idle and pending is None:
+            break
+        out = s.schedule()
+        assert s.prefilling is None or s.prefilling not in out.decode
+        events = out.events + s.update(out, fake_result(s, out))
+        if pending is not None:
+            events += s.update(pending, fake_result(s, pending))
+        pending = out.prefill
+        results.update({i: res for i, _, res in events if res is not None})
+    assert s.preemptions >= 1
+    for r in reqs:
+        assert results[r.index].token_ids == [100 * (r.index + 1) + k for k in range(9)]
+    assert held_pages(s) == 0
 
 
 def test_step_rows_carry_positions_pages_and_draw_counts():

@@ -829,8 +829,9 @@ def test_replicas_take_their_slice_of_the_devices(monkeypatch):
     assert replica_devices(4, None, gpus)[3] == {"CUDA_VISIBLE_DEVICES": "6,7"}
     assert replica_devices(2, 1, ["GPU-a", "GPU-b"]) == [{"CUDA_VISIBLE_DEVICES": "GPU-a"},
                                                         {"CUDA_VISIBLE_DEVICES": "GPU-b"}]
-    with pytest.raises(XlrError, match="--data-parallel 3 x --tensor-parallel 4 needs 12 "
-                                       "GPUs; 8 visible"):
+    with pytest.raises(XlrError, match=r"--data-parallel 3 x 4 devices a replica \(--tensor-"
+                                       r"parallel \+ --prefill-devices\) needs 12 GPUs; 8 "
+                                       "visible"):
         replica_devices(3, 4, gpus)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
     assert replica_devices(2, 3, []) == [{"XLA_FLAGS": "--xla_cpu_enable_fast_math=false "

@@ -87,6 +87,31 @@ def test_the_70b_plan_on_eight_h200s_splits_eight_ways_and_adds_up():
     assert weight_bytes(config, "bfloat16", tensor_parallel=1) == config.num_params() * 2
 
 
+def test_prefill_devices_are_planned_after_the_decode_ones_or_refused_with_a_reason():
+    """Llama-3-70B over 8 H200s: 4 decode and 4 prefill devices each hold a quarter of the
+    weights and the same page ids (8 KV heads: 2 a device on both); more devices than
+    there are, heads that do not divide, KV heads held differently on the two slices and
+    a prefill slice too small for the weights are refused, each with its reason."""
+    config = PRESETS["llama-3-70b"]
+    hw = dataclasses.replace(preset("h200"), device_count=8)
+    p = plan(hw, config, Workload(), tensor_parallel=4, prefill_devices=4)
+    assert p.mesh == {"data": 1, "model": 4, "prefill": 4} and p.prefill_devices == 4
+    assert "devices 4..7" in p.reasons["prefill_devices"]
+    assert "prefix cache is off" in p.reasons["prefill_devices"]
+    assert plan(hw, config, Workload(), tensor_parallel=8).prefill_devices == 0
+    with pytest.raises(PlanError, match="needs 9 devices"):
+        plan(hw, config, Workload(), tensor_parallel=8, prefill_devices=1)
+    with pytest.raises(PlanError, match="prefill_devices 3: its 64 query heads"):
+        plan(hw, config, Workload(), tensor_parallel=4, prefill_devices=3)
+    with pytest.raises(PlanError, match="the model's weights need"):  # 141 GB on one
+        plan(hw, config, Workload(), tensor_parallel=4, prefill_devices=1)
+    kv1 = dataclasses.replace(config, num_kv_heads=1)  # 1 head, repeated over 2
+    with pytest.raises(PlanError, match="holds 2 KV heads where the 4 decode"):
+        plan(hw, kv1, Workload(), tensor_parallel=4, prefill_devices=2)
+    with pytest.raises(PlanError, match="positive integer"):
+        plan(hw, config, Workload(), tensor_parallel=4, prefill_devices=-1)
+
+
 def test_a_mesh_larger_than_the_devices_is_refused_with_the_flag():
     from xlr_jax.model.tensor_parallel import make_mesh
 
@@ -151,7 +176,8 @@ def test_repeated_kv_heads_are_budgeted_on_every_device():
 
 def test_the_cli_plans_and_rooflines_a_split(tmp_path):
     """`xlr plan llama-3-70b --hardware h200 --devices 8 --json` prints the 8-way mesh
-    and a device's budget; `xlr roofline ... --tensor-parallel 8 --json` a device's
+    and a device's budget (with --prefill-devices, that slice too, or the one-line
+    refusal); `xlr roofline ... --tensor-parallel 8 --json` a device's
     figures and decode for each split (1, 2, 4, 8); a split the heads refuse is one line."""
     def xlr(*args):
         return subprocess.run([sys.executable, "-m", "xlr_jax.cli", *args],
@@ -164,6 +190,13 @@ def test_the_cli_plans_and_rooflines_a_split(tmp_path):
     assert p["memory"]["weight_bytes"] == plan(
         dataclasses.replace(preset("h200"), device_count=8), PRESETS["llama-3-70b"],
         Workload()).memory.weight_bytes
+    out = xlr("plan", "llama-3-70b", "--hardware", "h200", "--devices", "8",
+              "--tensor-parallel", "4", "--prefill-devices", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["mesh"] == {"data": 1, "model": 4, "prefill": 4}
+    out = xlr("plan", "llama-3-70b", "--hardware", "h200", "--devices", "8",
+              "--tensor-parallel", "8", "--prefill-devices", "1")
+    assert out.returncode != 0 and "needs 9 devices" in out.stderr
     out = xlr("roofline", "llama-3-70b", "--hardware", "h200", "--tensor-parallel", "8",
               "--json")
     assert out.returncode == 0, out.stderr

@@ -20,7 +20,7 @@ from xlr_jax.loading.prompts import PromptEncoder
 from xlr_jax.loading.registry import default_cache_dir, resolve_model
 from xlr_jax.loading.weights import ModelSource, load_weights, open_source
 from xlr_jax.model.decoder import params_from_arrays
-from xlr_jax.model.tensor_parallel import TensorParallel, make_mesh
+from xlr_jax.model.tensor_parallel import TensorParallel, expert_parallel_for, make_mesh
 from xlr_jax.model.executables import ExecutableStore, fingerprint
 from xlr_jax.model.sampling_params import SamplingParams
 from xlr_jax.ops import cpu_kernels
@@ -44,6 +44,7 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                params_cache: bool = True, compile_cache: bool = True,
                compiler_options: dict | None = None, weights: str | None = None,
                tensor_parallel: int | None = None, expert_parallel: bool | None = None,
+               prefill_devices: int | None = None,
                prefix_disk_quota: int = DEFAULT_QUOTA) -> "Model":
     """Load a model: "smollm2" (embedded), a .gguf file, a Hugging Face directory, or a
     source `xlr_jax.loading.weights.open_source` opened (with the same cache_dir).
@@ -61,6 +62,11 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     the plan's (one device where the weights fit one). expert_parallel: split that way,
     a MoE's experts go whole to the devices (E / N each) instead of each split by its FFN
     width; default: wherever they divide evenly.
+    prefill_devices: prompts prefill on this many devices of their own (after the
+    tensor_parallel decode devices; each layer split over them), their KV pages moved to
+    the decode devices when a prompt is whole, so running streams never wait for a
+    prefill chunk (prefill/decode disaggregation); the prefix cache is then off and
+    speculative decoding refused. Default: none (chunks ride in the decode steps).
     page_size, num_pages: the KV page pool.
     max_batch: sequences decoded together; prefill_chunk: tokens per prefill call.
     max_waiting: requests queued beyond the running batch before `submit` raises
@@ -115,6 +121,9 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                         f"{tensor_parallel}); leave it out")
     if mirror:
         tensor_parallel = jax.device_count()
+        if prefill_devices:
+            raise PlanError("prefill_devices splits one process's devices; across processes "
+                            "every device runs every step: leave it out")
 
     def make_plan(formats: str | None = weights) -> ExecutionPlan:
         return plan(hw, source.config,
@@ -124,7 +133,8 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
                     dtype=dtype, kv_dtype=kv_dtype, page_size=page_size, num_pages=num_pages,
                     attn_impl=attn_impl, linear_impl=linear_impl,
                     compiler_options=compiler_options, weights=formats,
-                    tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
+                    tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                    prefill_devices=prefill_devices)
 
     execution = make_plan()
     compute = jnp.dtype(execution.compute_dtype)
@@ -141,6 +151,13 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     # the mesh the plan splits each layer over (model.tensor_parallel), if more than one
     tp = (TensorParallel(make_mesh(execution.tensor_parallel), execution.expert_parallel)
           if execution.tensor_parallel > 1 else None)
+    # prefill on devices of its own: a copy of the params split over them (see Engine)
+    ptp = prefill_params = None
+    if (n := execution.prefill_devices):
+        ptp = TensorParallel(make_mesh(n, first=execution.tensor_parallel),
+                             expert_parallel_for(source.config, n))
+        prefill_params = params_from_arrays(loaded.params, compute, source.config, ptp)
+        prefix_cache = False  # (the plan's reason says why)
     # per-layer device params straight from the host arrays, which are then let go
     params, loaded.params = params_from_arrays(loaded.params, compute, source.config, tp), None
     store = None
@@ -154,10 +171,11 @@ def load_model(name_or_path: str | os.PathLike | ModelSource = "smollm2", *,
     namespace = (f"{loaded.source_hash}-{execution.compute_dtype}-{execution.kv_dtype}"
                  f"-{execution.page_size}" + (f"-tp{tp.size}" if tp else ""))
     # a stable tier's pages on disk are read and written whole by one process: not across
-    tiers = None if mirror else TierStore(cache_root / "prefix", namespace, prefix_disk_quota)
+    tiers = (None if mirror or ptp
+             else TierStore(cache_root / "prefix", namespace, prefix_disk_quota))
     engine = Engine(source.config, params, source.tokenizer, execution,
                     prefix_cache=prefix_cache, cache_namespace=namespace, tier_store=tiers,
-                    tp=tp, mirror=mirror)
+                    tp=tp, mirror=mirror, prefill_params=prefill_params, prefill_tp=ptp)
     preloaded = engine.runner.use_step_store(store) if store else 0
     load_info = {"load_s": time.perf_counter() - start, "params_s": loaded.load_s,
                  "params_from_cache": loaded.from_cache,
@@ -396,6 +414,10 @@ class Model:
         if self.engine.runner.mirror:
             raise InvalidRequestError("speculative decoding runs in one process only; this "
                                       "model spans several: send the request without it")
+        if self.engine.prefill_runner is not None:
+            raise InvalidRequestError("speculative decoding runs where prefill and decode "
+                                      "share devices; this model prefills on devices of "
+                                      "its own (prefill_devices): send the request without it")
         weights = spec.draft_weights or self.plan.weights
         return spec, resolve_draft(spec.draft, self.config,
                                    lambda path: self._load_draft(path, weights))
@@ -443,7 +465,7 @@ class Model:
 
     def warmup(self, progress: bool = True) -> list[dict]:
         """Compile every bucket of the plan now (see Steps.warmup); returns compile times."""
-        return self._loop.call(lambda: self.engine.runner.warmup(progress))
+        return self._loop.call(lambda: self.engine.warmup(progress))
 
     def info(self) -> dict:
         c, e = self.config, self.engine

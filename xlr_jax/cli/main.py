@@ -38,6 +38,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="split each layer over N devices (a JAX mesh: query heads and FFN "
                         "columns per device, two all-reduces a layer); default: the plan's "
                         "(1 where the weights fit one device)")
+    p.add_argument("--prefill-devices", type=int, default=None, metavar="N",
+                   help="prefill prompts on N devices of their own (after the "
+                        "--tensor-parallel decode devices), each prompt's KV pages moved to "
+                        "the decode devices when it is whole: running streams never wait for "
+                        "a prefill chunk; turns the prefix cache off and refuses speculative "
+                        "decoding (default: none, chunks ride in the decode steps)")
     env = os.environ
     p.add_argument("--coordinator", default=env.get("XLR_COORDINATOR"), metavar="HOST:PORT",
                    help="join several processes (one a host) into one mesh by "
@@ -86,7 +92,8 @@ def _load(args, source=None, **options):
     model = load_model(source or args.model, dtype=args.dtype, weights=args.weights,
                        kv_dtype=args.kv_dtype,
                        attn_impl=args.attn_impl, linear_impl=args.linear_impl,
-                       tensor_parallel=args.tensor_parallel, cache_dir=args.cache_dir,
+                       tensor_parallel=args.tensor_parallel,
+                       prefill_devices=args.prefill_devices, cache_dir=args.cache_dir,
                        prefix_cache=not args.no_prefix_cache, **options)
     split = model.plan.tensor_parallel
     if not model.leads:  # a follower runs the leader's steps, never the command itself
@@ -265,8 +272,9 @@ def cmd_serve(args) -> int:
     if args.data_parallel > 1:
         from xlr_jax.server.replicas import serve_replicas
 
-        return serve_replicas(args.argv, args.data_parallel,
-                              tensor_parallel=args.tensor_parallel, host=args.host,
+        split = (args.tensor_parallel, args.prefill_devices)
+        per = (args.tensor_parallel or 1) + (args.prefill_devices or 0) if any(split) else None
+        return serve_replicas(args.argv, args.data_parallel, per_replica=per, host=args.host,
                               port=args.port, policy=args.router, api_key=args.api_key,
                               request_log=args.request_log, drain_timeout=args.drain_timeout)
     plan = {k: getattr(args, k) for k in ("max_context", "max_batch", "num_pages",

@@ -39,7 +39,8 @@ def _plan_for(args):
     options = dict(dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
                    page_size=args.page_size,
                    num_pages=args.num_pages, attn_impl=args.attn_impl,
-                   linear_impl=args.linear_impl, tensor_parallel=args.tensor_parallel)
+                   linear_impl=args.linear_impl, tensor_parallel=args.tensor_parallel,
+                   prefill_devices=args.prefill_devices)
     workload = dict(max_context=args.max_context, max_batch=args.max_batch,
                     prefill_chunk=args.prefill_chunk, max_step_tokens=args.max_step_tokens)
     if args.warmup:

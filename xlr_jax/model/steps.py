@@ -174,16 +174,18 @@ class Steps:
         """Every step shape serving may run (`buckets.step_shapes`), as executable keys."""
         return [("step", rows, chunk) for rows, chunk in step_shapes(self.buckets)]
 
-    def warmup(self, params, kv, progress: bool = True) -> list[dict]:
-        """Compile every step shape (see `keys`), as many at once as there are CPU cores;
-        returns each compile's shape and seconds (each one's own wall time)."""
+    def warmup(self, params, kv, progress: bool = True, keys: list[tuple] | None = None
+               ) -> list[dict]:
+        """Compile every step shape (see `keys`; or those of `keys`), as many at once as
+        there are CPU cores; returns each compile's shape and seconds (each one's own wall
+        time)."""
         def compile_one(key):
             start = time.perf_counter()
             self._executable(key, params, kv, use=False)
             return {"decode_rows": key[1], "chunk": key[2],
                     "compile_s": time.perf_counter() - start}
 
-        todo = [key for key in self.keys() if key not in self._aot]
+        todo = [key for key in (keys or self.keys()) if key not in self._aot]
         with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="xlr-compile") as pool:
             jobs = [pool.submit(compile_one, key) for key in todo]
             return [job.result() for job in tqdm(

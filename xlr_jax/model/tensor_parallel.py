@@ -95,15 +95,16 @@ def device_config(config: ModelConfig, size: int) -> ModelConfig:
     return dataclasses.replace(config, num_kv_heads=kv_heads(config, size) // size)
 
 
-def make_mesh(tensor_parallel: int) -> Mesh:
-    """A (data, model) mesh of 1 x `tensor_parallel` over the first devices."""
+def make_mesh(tensor_parallel: int, first: int = 0) -> Mesh:
+    """A (data, model) mesh of 1 x `tensor_parallel` over the devices from `first` on (a
+    slice of its own: the prefill devices come after the decode ones)."""
     devices = jax.devices()
-    if tensor_parallel > len(devices):
+    need = first + tensor_parallel
+    if need > len(devices):
         raise InvalidRequestError(
-            f"tensor parallel {tensor_parallel} needs {tensor_parallel} devices; "
-            f"{len(devices)} found (on the CPU, XLA_FLAGS="
-            f"--xla_force_host_platform_device_count={tensor_parallel} makes that many)")
-    grid = np.array(devices[:tensor_parallel]).reshape(1, tensor_parallel)
+            f"{need} devices needed; {len(devices)} found (on the CPU, XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={need} makes that many)")
+    grid = np.array(devices[first:need]).reshape(1, tensor_parallel)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 

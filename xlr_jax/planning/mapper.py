@@ -137,6 +137,11 @@ class ExecutionPlan:
         return self.mesh["model"]
 
     @property
+    def prefill_devices(self) -> int:
+        """Devices of their own that prefill prompts (0: chunks ride in the decode steps)."""
+        return self.mesh.get("prefill", 0)
+
+    @property
     def buckets(self) -> Buckets:
         return Buckets(self.batch_buckets, self.chunk_buckets, self.page_buckets,
                        self.attn_block_pages, self.reduce_rows, self.kernel_rows)
@@ -275,8 +280,8 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
          *, dtype: str | None = None, kv_dtype: str | None = None, page_size: int | None = None,
          num_pages: int | None = None, attn_impl: str = "auto", linear_impl: str = "auto",
          compiler_options: dict | None = None, weights: str | None = None,
-         tensor_parallel: int | None = None,
-         expert_parallel: bool | None = None) -> ExecutionPlan:
+         tensor_parallel: int | None = None, expert_parallel: bool | None = None,
+         prefill_devices: int | None = None) -> ExecutionPlan:
     """The Execution Plan for `config` on `hardware`; keyword arguments override choices."""
     gpu = hardware.backend == "gpu"
     why: dict[str, str] = {}
@@ -403,6 +408,10 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         raise PlanError(f"num_pages={pages} leaves no page beside the scratch page; "
                         "use at least 2")
 
+    prefill = _prefill_devices_for(hardware, config, prefill_devices, shards, pages, why,
+                                   lambda n: memory_budget(hardware, config, compute, kv, ps,
+                                                           batch, chunk, context, impl,
+                                                           formats, n))
     buckets = buckets_for(batch, chunk, per_context, dense=not gpu)
     why["buckets"] = ("a step is (decode rows, chunk): decode rows alone (a power of two up "
                       "to max_batch), a chunk alone (a power of two from 16 to "
@@ -452,7 +461,8 @@ def plan(hardware: HardwareProfile, config: ModelConfig, workload: Workload = Wo
         attn_block_pages=buckets.attn_block, reduce_rows=buckets.reduce_rows, attn_impl=impl,
         linear_impl=linear, kernel_rows=_kernel_rows() if linear == "cpu" else 0,
         speculative=spec, memory=memory,
-        compiler_options=xla, reasons=why, mesh={"data": 1, "model": shards},
+        compiler_options=xla, reasons=why,
+        mesh={"data": 1, "model": shards, **({"prefill": prefill} if prefill else {})},
         expert_parallel=experts)
 
 
@@ -536,6 +546,42 @@ def _tensor_parallel_for(hw: HardwareProfile, config: ModelConfig, compute: str,
             f"{config.num_experts} experts do not divide over {n} devices: each expert's "
             "FFN width is split instead")
     return n, expert_split(n)
+
+
+def _prefill_devices_for(hw: HardwareProfile, config: ModelConfig, given: int | None,
+                         shards: int, pages: int, why: dict, budget) -> int:
+    """Devices of their own that prefill prompts, after the `shards` decode devices: the
+    caller's (each layer split over them, their pool as many `pages` as the decode
+    devices', within `budget(n)`, a device's MemoryBudget over n), else none."""
+    if not given:
+        why["prefill_devices"] = ("none: a prompt's chunks ride in the decode steps, the step "
+                                  "budget (max_step_tokens) bounding what they add to them")
+        return 0
+    if not isinstance(given, int) or given < 1:
+        raise PlanError(f"prefill_devices must be a positive integer (got {given!r})")
+    if shards + given > hw.device_count:
+        raise PlanError(f"prefill_devices {given} beside {shards} decode device(s) needs "
+                        f"{shards + given} devices but {hw.device_name} has {hw.device_count}")
+    experts = expert_parallel_for(config, given)
+    if (problem := tensor_parallel_problem(config, given, experts)):
+        raise PlanError(f"prefill_devices {given}: {problem}")
+    if kv_heads(config, given) != kv_heads(config, shards):
+        raise PlanError(
+            f"prefill_devices {given} holds {kv_heads(config, given)} KV heads where the "
+            f"{shards} decode device(s) hold {kv_heads(config, shards)} (a head repeated "
+            f"for each device past the model's {config.num_kv_heads}); pages move between "
+            "them as they are: use counts of at most the KV heads, or equal ones")
+    room = budget(given).kv_pages + 1
+    if pages > room:
+        raise PlanError(f"prefill_devices {given}: their KV pool of {pages} pages (the decode "
+                        f"devices' page ids) does not fit; {room} do")
+    where = f"devices {shards}..{shards + given - 1}" if given > 1 else f"device {shards}"
+    why["prefill_devices"] = (
+        f"set by the caller: prompts prefill on {where} (each layer split over {given}), "
+        "their KV pages moved to the decode devices when a prompt is whole, so decode "
+        "steps never wait for a chunk; the prefix cache is off (a page's KV lives on one "
+        "slice only) and speculative decoding is refused")
+    return given
 
 
 def _usable(hw: HardwareProfile) -> int:

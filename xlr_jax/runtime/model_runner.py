@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,6 +57,10 @@ class InFlight:
     logprobs: tuple     # chosen [rows], top ids and values [rows, k]
     sampling: SamplingBatch  # the rows' (a late bias draws again with it)
     started: float      # when it was dispatched
+
+    def done(self) -> bool:
+        """Whether its tokens are ready: reading them back would not wait."""
+        return self.tokens.is_ready()
 
 
 class ModelRunner:
@@ -126,6 +131,19 @@ class ModelRunner:
                 # then, on the reader's thread, what a process restoring them runs
                 op.deliver(read_pages(self._kv, op.pages),
                            partial(compile_for_later, restore_lowering(self._kv, len(op.pages))))
+
+    def export_pages(self, pages) -> dict:
+        """Each KV leaf's `pages`, on this runner's devices (dispatched, not waited for):
+        a prompt's KV leaving the prefill devices."""
+        return read_pages(self._kv, np.asarray(pages, np.int32))
+
+    def import_pages(self, pages, arrays: dict) -> None:
+        """Write `arrays` (another runner's `export_pages`) into `pages`, moved onto this
+        runner's devices (jax.device_put to each leaf's sharding) first."""
+        self.apply_page_ops()
+        moved = {name: jax.device_put(arrays[name], leaf.sharding)
+                 for name, leaf in leaves(self._kv).items()}
+        self._kv = write_pages(self._kv, jnp.asarray(pages, jnp.int32), moved)
 
     # ------------------------------------------------------------ the ragged step
 
@@ -324,9 +342,14 @@ class ModelRunner:
         self._kv, taken = self.steps.use_store(store, self._params, self._kv)
         return taken
 
-    def warmup(self, progress: bool = True) -> list[dict]:
-        """Compile every step shape serving may run (see Steps.warmup)."""
-        return self.steps.warmup(self._params, self._kv, progress)
+    def warmup(self, progress: bool = True, only: str | None = None) -> list[dict]:
+        """Compile every step shape serving may run (see Steps.warmup); `only`: "decode"
+        (decode rows alone) or "prefill" (a chunk alone), where prefill has devices of
+        its own."""
+        keep = {None: lambda rows, chunk: True, "decode": lambda rows, chunk: not chunk,
+                "prefill": lambda rows, chunk: not rows}[only]
+        return self.steps.warmup(self._params, self._kv, progress,
+                                 [key for key in self.steps.keys() if keep(*key[1:])])
 
     # ------------------------------------------------------------ across processes
 

@@ -66,6 +66,8 @@ class SchedulerOutput:
     events: list = field(default_factory=list)
     cycles: list[Request] = field(default_factory=list)
     promised: int = 0
+    # where prefill has devices of its own: the chunk's step, run there beside this one
+    prefill: SchedulerOutput | None = None
 
     @property
     def rows(self) -> int:
@@ -122,7 +124,8 @@ class Scheduler:
 
     def __init__(self, kv: KVManager, buckets: Buckets, *, max_batch: int,
                  max_step_tokens: int, step_cost_tokens: int, max_preemptions: int,
-                 vocab_size: int, rows_from_streams: int, rows_up_to_context: int):
+                 vocab_size: int, rows_from_streams: int, rows_up_to_context: int,
+                 separate_prefill: bool = False):
         self.kv, self.buckets = kv, buckets
         # a speculating request verifies as rows of the step (else a cycle of its own)
         # beside this many plain streams, or up to this context (the plan's policy)
@@ -132,6 +135,10 @@ class Scheduler:
         self.step_cost_tokens = step_cost_tokens  # splits a prompt's tail (first_chunk)
         self.max_preemptions = max_preemptions
         self.vocab_size = vocab_size
+        # prompts prefill on devices of their own: a chunk is a step of its own
+        # (`SchedulerOutput.prefill`), one at a time (`prefilling`, until its `update`)
+        self.separate_prefill = separate_prefill
+        self.prefilling: Request | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -195,7 +202,7 @@ class Scheduler:
         """Empty the queues (after `release_all`); returns what was waiting, in order, and
         what was running."""
         waiting, running = list(self.waiting), self.running
-        self.waiting, self.running = deque(), []
+        self.waiting, self.running, self.prefilling = deque(), [], None
         return waiting, running
 
     @property
@@ -240,7 +247,10 @@ class Scheduler:
         verify, left = [], list(plan.rows)
         if plan.rows and verify_rows is not None:
             verify, left = verify_rows(plan)
-        out = self.step(plan.plain, plan.chunk, verify) if plan.steps else SchedulerOutput([])
+        beside = None if self.separate_prefill else plan.chunk  # the chunk in this step
+        out = self.step(plan.plain, beside, verify) if plan.steps else SchedulerOutput([])
+        if self.separate_prefill and plan.chunk is not None:
+            out.prefill, self.prefilling = self.step([], plan.chunk), plan.chunk
         out.events, out.cycles = events, plan.cycles(left)
         if out.cycles:  # (counted after the step's reservations; only cycles read it)
             out.promised = self.kv.owed_to(plan.running)
@@ -252,15 +262,27 @@ class Scheduler:
         step pads its rows to the largest bucket anyway), beside enough plain streams, or
         at a short enough context (a decode row walks its context's pages alone)."""
         running = [r for r in self.running if r.finish_reason is None]
-        plain = [r for r in running if r.decoding and r.spec is None]
-        speculating = [r for r in running if r.decoding and r.spec is not None]
+        plain = [r for r in running if self._takes_rows(r) and r.spec is None]
+        speculating = [r for r in running if self._takes_rows(r) and r.spec is not None]
         chunk = next((r for r in running if not r.decoding), None)
+        if self.prefilling is not None:  # its chunk runs: the next waits for its update
+            chunk = None
         rows = []
         if plain or chunk:
             rows = [r for r in speculating
                     if chunk is not None or len(plain) >= self.rows_from_streams
                     or self._context(r) <= self.rows_up_to_context]
         return StepPlan(running, plain, chunk, speculating, rows)
+
+    def _takes_rows(self, r: Request) -> bool:
+        """Whether a request takes decode rows: decoding, and not prefilling apart (a
+        resumed request's last chunk makes it decoding as it is dispatched, before its
+        step is read back and its pages moved to the decode devices)."""
+        return r.decoding and r is not self.prefilling
+
+    def has_decode_rows(self) -> bool:
+        """Whether a running request takes decode rows now (`_takes_rows`)."""
+        return any(self._takes_rows(r) for r in self.running)
 
     @staticmethod
     def _context(r: Request) -> int:
@@ -269,11 +291,13 @@ class Scheduler:
 
     def can_run_ahead(self, last: SchedulerOutput) -> bool:
         """Whether the next step may be dispatched before `last`'s tokens are read back:
-        decode rows only, the same requests, nobody joining, no forced tokens, no row
+        decode rows only, the same requests (but one prefilling on devices of its own),
+        nobody joining, no forced tokens, no row
         drawing past its token limit (an EOS in flight only wastes one row of one step)
         and every row's page found."""
         joinable = bool(self.waiting) and len(self.running) < self.max_batch
-        return (last.chunk is None and last.decode == self.running and not last.verify
+        decoding = [r for r in self.running if r is not self.prefilling]
+        return (last.chunk is None and last.decode == decoding and not last.verify
                 and not joinable
                 and all(len(r.generated) + 2 <= r.limit for r in self.running)
                 and not any(r.forced for r in self.running)
@@ -431,6 +455,8 @@ class Scheduler:
         speculating requests' `verified` (requests, texts: SpecRunner.take_verified), and
         the first token of a request whose prompt the chunk completed (its prompt is
         published, its stable tier persisted, its cache hits counted)."""
+        if out.chunk is not None and out.chunk is self.prefilling:
+            self.prefilling = None  # (its chunk's step is read back: the next may run)
         now = time.perf_counter()
         logprobs = result.logprobs or itertools.repeat(None)
         reqs, pieces = [], []

@@ -73,18 +73,21 @@ class Child:
             self.proc.wait()
 
 
-def replica_devices(replicas: int, tensor_parallel: int | None, gpus: list[str]) -> list[dict]:
+def replica_devices(replicas: int, per_replica: int | None, gpus: list[str]) -> list[dict]:
     """Each replica's environment changes: its slice of `gpus` (visible GPU ids), or on a
-    machine without one, `tensor_parallel` virtual CPU devices where that is over 1."""
+    machine without one, `per_replica` virtual CPU devices where that is over 1
+    (`per_replica`: its --tensor-parallel plus its --prefill-devices; None: an equal
+    share of the GPUs, one CPU device)."""
     if not gpus:
-        per = tensor_parallel or 1
+        per = per_replica or 1
         flags = os.environ.get("XLA_FLAGS", "")
         return [{"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={per}".strip()}
                 if per > 1 else {} for _ in range(replicas)]
-    per = tensor_parallel or len(gpus) // replicas
+    per = per_replica or len(gpus) // replicas
     if per < 1 or per * replicas > len(gpus):
-        raise XlrError(f"--data-parallel {replicas} x --tensor-parallel {per} needs "
-                       f"{replicas * per} GPUs; {len(gpus)} visible")
+        raise XlrError(f"--data-parallel {replicas} x {per} devices a replica "
+                       f"(--tensor-parallel + --prefill-devices) needs {replicas * per} GPUs; "
+                       f"{len(gpus)} visible")
     return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per:(i + 1) * per])}
             for i in range(replicas)]
 
@@ -114,7 +117,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_replicas(argv: list[str], replicas: int, *, tensor_parallel: int | None,
+def serve_replicas(argv: list[str], replicas: int, *, per_replica: int | None,
                    host: str, port: int, policy: str, api_key: str | None,
                    request_log: str | None, drain_timeout: float) -> int:
     """Run `replicas` copies of `xlr serve ARGV` and the router on `host:port` until
@@ -129,7 +132,7 @@ def serve_replicas(argv: list[str], replicas: int, *, tensor_parallel: int | Non
                 for s in (signal.SIGTERM, signal.SIGINT)}
     children: list[Child] = []
     try:
-        for i, env in enumerate(replica_devices(replicas, tensor_parallel, visible_gpus())):
+        for i, env in enumerate(replica_devices(replicas, per_replica, visible_gpus())):
             worker_port = free_port()
             # later flags win in argparse: these override the user's for the replica
             flags = ["--data-parallel", "1", "--host", "127.0.0.1", "--port", str(worker_port)]
