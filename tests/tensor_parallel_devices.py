@@ -6,8 +6,8 @@ A split model gives one device's greedy tokens and logits, for KV-head counts th
 (kv 2 over 2, 8 over 8) and that must be repeated (kv 1 over 8, 2 over 4, 4 over 8), on
 dense, biased and MoE models (experts whole on the devices, or each split) and the
 embedded one (9 query heads, 3 KV heads: 3 exact, 2 refused); the runtime's features run
-unchanged split; prefill on devices of its own; the experiments' quick runs and the GPU
-script's smoke run."""
+unchanged split; prefill on devices of its own; the experiments' quick runs (the layout
+choices' too) and the GPU script's smoke run."""
 import importlib.util
 import json
 import os
@@ -85,6 +85,15 @@ def outputs(model, prompt=PROMPT, max_tokens=12):
     return tokens, model.logits(prompt)
 
 
+def experiment(name: str):
+    """experiments/NAME.py, loaded as a module (its quick run goes in this process)."""
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def rel_err(out, ref) -> float:
     return float(np.abs(out - ref).max() / np.abs(ref).max())
 
@@ -110,6 +119,8 @@ def test_a_split_model_gives_one_devices_tokens_and_logits(name, saved, cache_di
         assert {k: getattr(split.plan, k) for k in options} == options
         tokens, logits = outputs(split)
         kv = split.engine.runner.kv.k  # (read now: the next step donates it)
+        head = split.engine.runner.params.lm_head  # split by vocabulary: 64 rows divide
+        assert {s.data.shape[0] for s in head.addressable_shards} == {VOCAB // n}
         split.shutdown()
         assert split.plan.mesh == {"data": 1, "model": n}
         # the pool holds the repeated KV heads, a device's share each
@@ -124,7 +135,8 @@ def test_a_split_model_gives_one_devices_tokens_and_logits(name, saved, cache_di
 def test_the_embedded_model_splits_over_three_and_refuses_two(cache_dir):
     """9 query heads and 3 KV heads: over 3 devices each holds 3 and 1 (its Q4_1 blocks
     too on an AVX-512 CPU, groups of 32 splitting the output product's 576 inputs in
-    three); 2 refused with the reason, before anything is read."""
+    three), and a third of the tied head's vocabulary as a copy; 2 refused with the
+    reason, before anything is read."""
     prompts = ["The capital of France is", "List three uses of copper."]
     got = {}
     for n in (1, 3):  # the plan the experiment's quick run loads too (its steps shared)
@@ -132,6 +144,9 @@ def test_the_embedded_model_splits_over_three_and_refuses_two(cache_dir):
                                    cache_dir=cache_dir)
         got[n] = ([model.generate(p, max_tokens=16).token_ids for p in prompts],
                   model.logits(prompts[0]), model.plan.weights)
+        head = model.engine.runner.params.lm_head  # tied: None, or a split copy
+        assert (head is None) if n == 1 else {
+            s.data.shape[0] for s in jax.tree.leaves(head)[0].addressable_shards} == {16384}
         model.shutdown()
     assert got[3][0] == got[1][0] and got[3][2] == got[1][2]
     assert rel_err(got[3][1], got[1][1]) < TOL
@@ -261,11 +276,7 @@ def test_the_prefill_split_experiment_quick(tmp_path, cache_dir, monkeypatch):
     setups have their ITL, TTFT and throughput figures and ratios."""
     monkeypatch.setenv("XLR_CACHE_DIR", str(cache_dir))
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # (the script adds)
-    spec = importlib.util.spec_from_file_location(
-        "prefill_split", Path(__file__).resolve().parents[1] / "experiments" / "prefill_split.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    r = script.main(["--quick", "--out", str(tmp_path)])
+    r = experiment("prefill_split").main(["--quick", "--out", str(tmp_path)])
     (path,) = tmp_path.glob("prefill_split-quick-*.json")
     assert json.loads(path.read_text())["same_tokens"] is r["same_tokens"] is True
     assert tuple(r["figures"]) == ("prefill in the decode steps",
@@ -276,15 +287,26 @@ def test_the_prefill_split_experiment_quick(tmp_path, cache_dir, monkeypatch):
     assert r["split_over_base"]["itl_p99_s"] > 0
 
 
+def test_the_tensor_parallel_choices_experiment_quick(tmp_path):
+    """experiments/tensor_parallel_choices.py --quick, over 2 and 4 of this process's
+    devices: every LM head layout and both MLP placements give the same output (the
+    vocabulary-split best token too), each timed, with the GPU roofline's head figures."""
+    r = experiment("tensor_parallel_choices").main(["--quick", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("tensor_parallel_choices-quick-*.json")
+    assert json.loads(path.read_text())["figures"] == r["figures"]
+    assert tuple(r["figures"]) == ("tp2", "tp4")
+    for f in r["figures"].values():
+        assert f["agree"] and len(f["head"]) == len(f["mlp"]) == 3  # 1, 8, 256 rows
+        for layouts in (*f["head"].values(), *f["mlp"].values()):
+            assert all(seconds > 0 for seconds in layouts.values())
+    for head in r["gpu_roofline"]["tp4"].values():
+        assert head["replicated_s"] > 0 and head["vocab_split_s"] > 0
+
+
 def test_the_gpu_tensor_parallel_script_smoke(tmp_path):
     """experiments/gpu_tensor_parallel.py --smoke, in this 8-device process: every split
     of 1, 2, 4 and 8 runs on its mesh (1 too) with its roofline figures."""
-    spec = importlib.util.spec_from_file_location(
-        "gpu_tensor_parallel",
-        Path(__file__).resolve().parents[1] / "experiments" / "gpu_tensor_parallel.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    script.main(["--smoke", "--out", str(tmp_path)])
+    experiment("gpu_tensor_parallel").main(["--smoke", "--out", str(tmp_path)])
     (path,) = tmp_path.glob("gpu_tensor_parallel-quick-*.json")
     r = json.loads(path.read_text())
     assert tuple(r["figures"]) == ("tp1", "tp2", "tp4", "tp8")

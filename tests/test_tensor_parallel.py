@@ -62,8 +62,9 @@ def test_a_layer_is_laid_out_shard_major_with_kv_heads_repeated():
 
 def test_the_70b_plan_on_eight_h200s_splits_eight_ways_and_adds_up():
     """Llama-3-70B in bf16 (141 GB) does not fit one H200's usable 126.9 GB: the plan
-    splits it over all 8, and a device's weights are the untied embedding and LM head
-    whole plus an eighth of the rest; a page an eighth of the KV heads (8 of 8: one)."""
+    splits it over all 8, and a device's weights are the untied embedding whole plus an
+    eighth of the LM head (its 128,256 rows divide) and of the rest; a page an eighth of
+    the KV heads (8 of 8: one)."""
     config = PRESETS["llama-3-70b"]
     hw = dataclasses.replace(preset("h200"), device_count=8)
     p = plan(hw, config, Workload())
@@ -71,7 +72,7 @@ def test_the_70b_plan_on_eight_h200s_splits_eight_ways_and_adds_up():
     assert "do not fit one device" in p.reasons["mesh"]
     embed = config.vocab_size * config.hidden_size * 2  # bf16, embedding and LM head
     rest = config.num_params() * 2 - 2 * embed
-    assert p.memory.weight_bytes == int(2 * embed + rest / 8)
+    assert p.memory.weight_bytes == int(embed + embed / 8 + rest / 8)
     per_token = config.num_layers * 2 * (config.num_kv_heads // 8) * config.head_dim * 2
     assert p.memory.page_bytes == per_token * p.page_size
     assert p.memory.kv_budget_bytes == (p.memory.usable_bytes - p.memory.weight_bytes
@@ -120,21 +121,29 @@ def test_a_mesh_larger_than_the_devices_is_refused_with_the_flag():
 
 
 def test_the_roofline_splits_a_step_and_adds_its_all_reduces():
-    """A device's decode bytes over 8 H200s: an eighth of the weights but the LM head's,
-    the LM head whole, an eighth of the KV heads' bytes; 160 all-reduces of one token's
-    hidden state (2 x 8192 bf16) through 450 GB/s NVLink, each with its latency."""
+    """A device's decode bytes over 8 H200s: an eighth of the weights, the LM head's
+    included (its vocabulary divides), an eighth of the KV heads' bytes; 160 all-reduces
+    of one token's hidden state (2 x 8192 bf16) and one all-gather of its logits (128,256
+    f32) through 450 GB/s NVLink, each with its latency. A vocabulary 8 does not divide
+    keeps the head whole on each device, and gathers nothing."""
     from xlr_jax.planning.roofline import ALLREDUCE_LATENCY_S, estimate
 
     c, hw = PRESETS["llama-3-70b"], dataclasses.replace(preset("h200"), device_count=8)
     one = estimate(c, hw, prompt=1024)
     split = estimate(c, hw, prompt=1024, tensor_parallel=8)
-    head = c.embed_params() * 2
-    weights_one = one["decode_bytes_per_step"] - 1025 * c.num_layers * 2 * 8 * 128 * 2
-    assert split["decode_bytes_per_step"] == pytest.approx(
-        (weights_one - head) / 8 + head + 1025 * c.num_layers * 2 * 1 * 128 * 2)
+    kv = 1025 * c.num_layers * 2 * 128 * 2  # a KV head's bytes over the context
+    weights_one = one["decode_bytes_per_step"] - 8 * kv
+    assert split["decode_bytes_per_step"] == pytest.approx(weights_one / 8 + kv)
     assert hw.interconnect_gb_s == 450
     one_reduce = 2 * 7 / 8 * (8192 * 2) / 450e9 + ALLREDUCE_LATENCY_S
-    assert split["decode_comm_s"] == pytest.approx(160 * one_reduce)
+    gather = 7 / 8 * (128256 * 4) / 450e9 + ALLREDUCE_LATENCY_S
+    assert split["decode_comm_s"] == pytest.approx(160 * one_reduce + gather)
+    odd = dataclasses.replace(c, vocab_size=128257)  # 8 do not divide it: whole on each
+    odd_one, odd_split = (estimate(odd, hw, prompt=1024, tensor_parallel=n) for n in (1, 8))
+    odd_head = odd.embed_params() * 2
+    assert odd_split["decode_bytes_per_step"] == pytest.approx(
+        (odd_one["decode_bytes_per_step"] - 8 * kv - odd_head) / 8 + odd_head + kv)
+    assert odd_split["decode_comm_s"] == pytest.approx(160 * one_reduce)
     assert split["itl_s"] == pytest.approx(split["decode_bytes_per_step"] / 4800e9
                                            + split["decode_comm_s"])
     assert one["decode_comm_s"] == 0 and split["itl_s"] < one["itl_s"] / 4
@@ -169,9 +178,13 @@ def test_repeated_kv_heads_are_budgeted_on_every_device():
     assert shard_page_bytes(config, 16, "bfloat16", 2) == whole // 2
     assert shard_page_bytes(config, 16, "bfloat16", 1) == whole
     repeated = dataclasses.replace(config, num_kv_heads=8)
-    embed = config.vocab_size * config.hidden_size * 2 * 2  # untied: embedding and head
+    table = config.vocab_size * config.hidden_size * 2  # the embedding whole, the head split
     assert weight_bytes(config, "bfloat16", tensor_parallel=8) == pytest.approx(
-        embed + (repeated.num_params() * 2 - embed) / 8)
+        table + (repeated.num_params() * 2 - table) / 8)
+    tied = dataclasses.replace(config, tie_embeddings=True)  # the head a split copy
+    layers = dataclasses.replace(repeated, tie_embeddings=True).num_params() * 2 - table
+    assert weight_bytes(tied, "bfloat16", tensor_parallel=8) == pytest.approx(
+        table + table / 8 + layers / 8)
 
 
 def test_the_cli_plans_and_rooflines_a_split(tmp_path):

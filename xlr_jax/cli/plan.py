@@ -156,7 +156,7 @@ def _model_config(name: str):
 
 
 def cmd_roofline(args) -> int:
-    from xlr_jax.model.tensor_parallel import expert_parallel_for, problem
+    from xlr_jax.model.tensor_parallel import expert_parallel_for, problem, splits_head
     from xlr_jax.planning.roofline import estimate, measured_points, plot
 
     n = args.tensor_parallel
@@ -200,13 +200,14 @@ def cmd_roofline(args) -> int:
     print(f"{'time':>18} {figures['ttft_s'] * 1e3:>11.1f} ms {figures['itl_s'] * 1e3:>11.2f} ms"
           f"   (TTFT, ITL; {figures['decode_tokens_per_s']:,.0f} tok/s decode)")
     if n > 1:
-        print(f"{'all-reduces':>18} {figures['prefill_comm_s'] * 1e3:>11.1f} ms "
-              f"{figures['decode_comm_s'] * 1e3:>11.2f} ms   (2 a layer, "
-              f"{hw.interconnect_gb_s:g} GB/s link a direction)")
-        print(f"\n{'tensor parallel':>18} {'ITL':>10} {'all-reduce share':>17}")
+        gathered = ", the logits gathered" if splits_head(config.vocab_size, n) else ""
+        print(f"{'collectives':>18} {figures['prefill_comm_s'] * 1e3:>11.1f} ms "
+              f"{figures['decode_comm_s'] * 1e3:>11.2f} ms   (2 all-reduces a layer"
+              f"{gathered}; {hw.interconnect_gb_s:g} GB/s link a direction)")
+        print(f"\n{'tensor parallel':>18} {'ITL':>10} {'communication share':>20}")
         for row in figures["scaling"]:
             print(f"{row['tensor_parallel']:>18} {row['itl_s'] * 1e3:>7.2f} ms "
-                  f"{row['decode_comm_share']:>16.0%}")
+                  f"{row['decode_comm_share']:>19.0%}")
         dominated = [r["tensor_parallel"] for r in figures["scaling"]
                      if r["decode_comm_share"] > 0.5]
         print("communication dominates decode from tensor parallel "

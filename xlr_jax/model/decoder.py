@@ -22,7 +22,7 @@ from xlr_jax.kv.paged_kv import PagedKV, write_layer
 from xlr_jax.kv.pages import SCRATCH_PAGE
 from xlr_jax.model.config import ModelConfig, RopeScaling
 from xlr_jax.model.quantized import QuantizedTensor
-from xlr_jax.model.tensor_parallel import TensorParallel, shard_layer
+from xlr_jax.model.tensor_parallel import TensorParallel, shard_layer, splits_head
 from xlr_jax.ops import cpu_kernels, cpu_linear, paged_attention, resolve_impl, soft_cap
 from xlr_jax.pytree import pytree_dataclass
 from xlr_jax.model.step_batch import StepBatch
@@ -109,6 +109,8 @@ def params_from_arrays(arrays: dict, dtype=jnp.float32, config: ModelConfig | No
         layer = LayerParams(**{"bqkv": None, **{k: host(v) for k, v in layer.items()}})
         layers.append(put(layer, tp and tp.layer_specs))
     head = arrays.get("lm_head")
+    if head is None and tp is not None and splits_head(config.vocab_size, tp.size):
+        head = arrays["embed"]  # a tied head held apart, split by vocabulary (see tp)
     rest = put(Params(embed=host(arrays["embed"]), layers=(),
                       final_norm=host(arrays["final_norm"]),
                       lm_head=None if head is None else host(head)), tp and tp.param_specs)
@@ -444,9 +446,18 @@ def forward_step(params: Params, kv: PagedKV, batch: StepBatch, *, config: Model
 
 
 def lm_head(params: Params, hidden, config: ModelConfig,
-            products: RowProducts = RowProducts()):
+            products: RowProducts = RowProducts(), tp: TensorParallel | None = None):
     """Logits in f32 for hidden states [..., d] (`products`: see `linear`), soft-capped
-    where the model caps them (Gemma-2: cap * tanh(logits / cap))."""
+    where the model caps them (Gemma-2: cap * tanh(logits / cap)). `tp`: the mesh a head
+    split by vocabulary is on (model.tensor_parallel): each shard's rows, then gathered
+    whole on every shard."""
     w = params.embed if params.lm_head is None else params.lm_head
-    logits = linear(hidden, w, products, jnp.float32)
+    if tp is None or params.lm_head is None or not splits_head(w.shape[0], tp.size):
+        logits = linear(hidden, w, products, jnp.float32)
+    else:
+        gather = partial(jax.lax.all_gather, axis_name=tp.axis, axis=hidden.ndim - 1,
+                         tiled=True)
+        logits = shard_map(lambda h, w: gather(linear(h, w, products, jnp.float32)),
+                           mesh=tp.mesh, in_specs=(P(), tp.head_specs(w)), out_specs=P(),
+                           check_vma=False)(hidden, w)
     return logits if config.final_softcap is None else soft_cap(logits, config.final_softcap)

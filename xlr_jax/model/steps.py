@@ -36,7 +36,7 @@ def _step(params: Params, kv: PagedKV, batch: StepBatch, *, config: ModelConfig,
     sampling.row_logprobs)."""
     hidden, kv = forward_step(params, kv, batch, config=config, attn_impl=attn_impl,
                               pages_per_block=pages_per_block, products=products, tp=tp)
-    logits = lm_head(params, hidden, config, products)
+    logits = lm_head(params, hidden, config, products, tp)
     tokens = sample_rows(logits + batch.bias, batch.sampling)
     return tokens, logits, row_logprobs(logits, tokens, batch.sampling), kv
 
@@ -57,7 +57,7 @@ def _all_logits(params: Params, kv: PagedKV, tokens, start, num_new, block_table
     hidden, kv = forward(params, kv, tokens, start[:, None] + offs,
                          offs < num_new[:, None], block_tables,
                          config=config, attn_impl=attn_impl, tp=tp)
-    return lm_head(params, hidden, config), kv
+    return lm_head(params, hidden, config, tp=tp), kv
 
 
 @lru_cache(maxsize=4)  # bounded, as speculative.cycle's `_jitted`

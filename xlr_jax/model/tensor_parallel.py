@@ -22,8 +22,12 @@ every token (the activations are whole between layers), so it runs the assignmen
 its own experts, gives zeros for the others', and the MLP's all-reduce brings each
 token's expert outputs together: no all-to-all, the same one all-reduce a layer.
 
-The embedding and the LM head are replicated: on the CPU every shard computes the full
-logits (a vocab split would need an all-gather of the logits at every step).
+The LM head is split by vocabulary where the shards divide it (`splits_head`): each
+shard computes its rows' logits, then one all-gather makes the whole logits on every
+shard (decode reads 1/n of the head, the largest matrix of a small model, at the cost of
+gathering rows x vocab floats; experiments/README.md#tensor_parallel_choices). A tied
+embedding is then held twice: whole for the lookup, and split as the head. The
+embedding stays whole (a lookup reads only its tokens' rows).
 """
 from __future__ import annotations
 
@@ -87,6 +91,12 @@ def kv_heads(config: ModelConfig, size: int) -> int:
     """KV heads the pool holds over `size` shards: the model's, or one a shard where
     there are fewer (each repeated for the shards whose query heads read it)."""
     return max(config.num_kv_heads, size)
+
+
+def splits_head(vocab_size: int, size: int) -> bool:
+    """Whether an LM head of `vocab_size` rows is split by vocabulary over `size` shards:
+    over more than one, where they divide it (else it is whole on each)."""
+    return size > 1 and vocab_size % size == 0
 
 
 def device_config(config: ModelConfig, size: int) -> ModelConfig:
@@ -167,7 +177,14 @@ class TensorParallel:
         layers = (tuple(map(self.layer_specs, params.layers))
                   if isinstance(params.layers, tuple) else self.layer_specs(params.layers))
         return params.replace(embed=self._leaf_specs(params.embed, None), layers=layers,
-                              final_norm=P(), lm_head=self._leaf_specs(params.lm_head, None))
+                              final_norm=P(), lm_head=self.head_specs(params.lm_head))
+
+    def head_specs(self, head):
+        """The LM head's PartitionSpecs (a QuantizedTensor's leaves each): its rows split
+        where `splits_head` (a tied head is held apart from the embedding then: None
+        here means the embedding's rows serve, whole)."""
+        split = head is not None and splits_head(head.shape[0], self.size)
+        return self._leaf_specs(head, "out" if split else None)
 
     def _leaf_specs(self, value, split):
         if isinstance(value, QuantizedTensor):

@@ -21,7 +21,8 @@ from xlr_jax.kv.paged_kv import is_quantized
 from xlr_jax.kv.pages import pages_for
 from xlr_jax.model import quantized
 from xlr_jax.model.config import ModelConfig
-from xlr_jax.model.tensor_parallel import device_config, expert_parallel_for, kv_heads
+from xlr_jax.model.tensor_parallel import (device_config, expert_parallel_for, kv_heads,
+                                           splits_head)
 from xlr_jax.model.tensor_parallel import problem as tensor_parallel_problem
 from xlr_jax.model.weight_formats import FORMATS, WEIGHTS
 from xlr_jax.ops import IMPLS, cpu_attention, cpu_kernels, cpu_linear, walk_sizes
@@ -485,15 +486,19 @@ def weight_bytes(config: ModelConfig, compute: str, weights: str = "float",
     """The weights' bytes: in `compute`, or with the matrices in format `weights` (the
     experts, norms and biases stay in `compute`; "native" counts as `compute`, a bound:
     the file's own formats are not in the config). Over `tensor_parallel` devices, one
-    device's: the embedding and LM head whole, the layers split (KV heads repeated where
-    fewer than the devices; model.tensor_parallel)."""
+    device's: the embedding whole, the LM head split by vocabulary where the devices
+    divide it (a tied one then held apart, a second copy) else whole, the layers split
+    (KV heads repeated where fewer than the devices; model.tensor_parallel)."""
     n = tensor_parallel
     config = dataclasses.replace(config, num_kv_heads=kv_heads(config, n))
     value = quantized.BYTES_PER_VALUE[weights] if weights in FORMATS else _itemsize(compute)
     experts = config.moe_layers * config.num_experts * config.expert_params()
     whole = (config.num_params() - experts) * value + experts * _itemsize(compute)
-    replicated = config.embed_params() * (1 if config.tie_embeddings else 2) * value
-    return replicated + (whole - replicated) / n
+    table = config.embed_params() * value  # one [vocab, d] matrix
+    layers = whole - table * (1 if config.tie_embeddings else 2)
+    if splits_head(config.vocab_size, n):
+        return table + table / n + layers / n
+    return table * (1 if config.tie_embeddings else 2) + layers / n
 
 
 def shard_page_bytes(config: ModelConfig, page_size: int, kv_dtype: str,

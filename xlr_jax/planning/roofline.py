@@ -21,17 +21,18 @@ context.
 
 Split over `tensor_parallel` devices (model.tensor_parallel), the figures are one
 device's: its share of every layer's FLOPs, weights and KV (KV heads repeated where
-fewer than the devices), the LM head whole; plus two all-reduces a layer of the step's
-activations, each a ring's 2 (n - 1) / n of them through the device's link
-(`interconnect_gb_s`) and a fixed latency, added to the phase's time (not overlapped:
-a bound).
+fewer than the devices), its share of the LM head where the devices divide the
+vocabulary (else all of it); plus two all-reduces a layer of the step's activations,
+each a ring's 2 (n - 1) / n of them through the device's link (`interconnect_gb_s`) and
+a fixed latency, and with the head split, one all-gather of the logits (f32, (n - 1) / n
+of them), added to the phase's time (not overlapped: a bound).
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from xlr_jax.model.config import ModelConfig, RopeScaling
-from xlr_jax.model.tensor_parallel import device_config
+from xlr_jax.model.tensor_parallel import device_config, splits_head
 from xlr_jax.planning.hardware import HardwareProfile
 
 # an all-reduce's fixed cost within one host (NCCL's small-message latency over NVLink is
@@ -124,13 +125,14 @@ def phase(flops: float, nbytes: float, hw: HardwareProfile) -> dict:
             "bound": "compute" if compute_s > memory_s else "memory"}
 
 
-def allreduce_s(nbytes: float, n: int, hw: HardwareProfile) -> float:
+def allreduce_s(nbytes: float, n: int, hw: HardwareProfile, passes: int = 2) -> float:
     """One ring all-reduce of `nbytes` over `n` devices: 2 (n - 1) / n of it each way
-    through a device's link, plus the fixed latency."""
+    through a device's link, plus the fixed latency (`passes` 1: an all-gather of
+    `nbytes` in all, half the traffic)."""
     if n == 1:
         return 0.0
     link = hw.interconnect_gb_s or hw.peak_bandwidth_gb_s
-    return 2 * (n - 1) / n * nbytes / (link * 1e9) + ALLREDUCE_LATENCY_S
+    return passes * (n - 1) / n * nbytes / (link * 1e9) + ALLREDUCE_LATENCY_S
 
 
 def estimate(c: ModelConfig, hw: HardwareProfile, *, prompt: int, batch: int = 1,
@@ -144,24 +146,32 @@ def estimate(c: ModelConfig, hw: HardwareProfile, *, prompt: int, batch: int = 1
     kv_token = device_config(c, n).kv_bytes_per_token(kv_bytes)
     matmul = c.active_matmul_params()
     lm_head = c.embed_params()
-    head_bytes = lm_head * weight_bytes  # whole on every device
+    head_bytes = lm_head * weight_bytes
+    split = splits_head(c.vocab_size, n)
+    share = n if split else 1  # of the head a device holds
     tokens = batch * prompt
     # prefill: the LM head only for each sequence's last token
     pre_flops = ((2.0 * tokens * (matmul - lm_head)
                   + attention_flops(c, batch, prefill_positions(c, prompt))) / n
-                 + 2.0 * batch * lm_head)
-    pre_bytes = ((weight_bytes_read(c, tokens, weight_bytes) - head_bytes) / n + head_bytes
-                 + tokens * kv_token)
+                 + 2.0 * batch * lm_head / share)
+    pre_bytes = ((weight_bytes_read(c, tokens, weight_bytes) - head_bytes) / n
+                 + head_bytes / share + tokens * kv_token)
     seen = decode_positions(c, context + 1)  # a windowed layer reads its window only
     dec_flops = (2.0 * batch * (matmul - lm_head) + attention_flops(c, batch, seen)) / n \
-        + 2.0 * batch * lm_head
-    dec_bytes = ((weight_bytes_read(c, batch, weight_bytes) - head_bytes) / n + head_bytes
-                 + batch * seen * kv_token / c.num_layers)
+        + 2.0 * batch * lm_head / share
+    dec_bytes = ((weight_bytes_read(c, batch, weight_bytes) - head_bytes) / n
+                 + head_bytes / share + batch * seen * kv_token / c.num_layers)
     pre, dec = phase(pre_flops, pre_bytes, hw), phase(dec_flops, dec_bytes, hw)
-    # two all-reduces a layer of the step's hidden states
+    # two all-reduces a layer of the step's hidden states; a split head's logits gathered
     reduces = 2 * c.num_layers
-    pre_comm = reduces * allreduce_s(tokens * c.hidden_size * ACTIVATION_BYTES, n, hw)
-    dec_comm = reduces * allreduce_s(batch * c.hidden_size * ACTIVATION_BYTES, n, hw)
+
+    def gathered(rows):  # a split head's logits [rows, V], f32, gathered on every device
+        return allreduce_s(rows * c.vocab_size * 4, n, hw, passes=1) if split else 0.0
+
+    pre_comm = (reduces * allreduce_s(tokens * c.hidden_size * ACTIVATION_BYTES, n, hw)
+                + gathered(batch))
+    dec_comm = (reduces * allreduce_s(batch * c.hidden_size * ACTIVATION_BYTES, n, hw)
+                + gathered(batch))
     pre["time_s"] += pre_comm
     dec["time_s"] += dec_comm
     return {

@@ -63,7 +63,7 @@ def _run_draft(dparams, dkv, last, positions, num_draft, block_tables, sampling,
         hidden, kv = forward(dparams, kv, token[:, None], (positions + j)[:, None],
                              (j <= num_draft)[:, None], block_tables, config=dconfig,
                              attn_impl=attn_impl, products=products, tp=tp)
-        q = _probs(lm_head(dparams, hidden[:, 0], dconfig, products), sampling, sampler)
+        q = _probs(lm_head(dparams, hidden[:, 0], dconfig, products, tp), sampling, sampler)
         drawn = _draw(jax.vmap(lambda k: jax.random.fold_in(k, j))(keys), q)
         return (kv, drawn), (drawn, q)
 
@@ -173,7 +173,7 @@ def _cycle(params: Params, kv, draft_params, draft_kv, last, positions, proposed
     hidden, kv = forward(params, kv, tokens, positions[:, None] + offs,
                          offs <= num_draft[:, None], block_tables, config=config,
                          attn_impl=attn_impl, products=products, tp=tp)
-    logits = lm_head(params, hidden, config, products).reshape(batch * (gamma + 1),
+    logits = lm_head(params, hidden, config, products, tp).reshape(batch * (gamma + 1),
                                                                 config.vocab_size)
     if draft_kind == "tokens":  # a point mass (exact only): plain sampling's draws decide
         steps = (sampling.step[:, None] + offs).reshape(-1)
