@@ -1,6 +1,7 @@
 """The repository holds source, not build outputs: no wheels, archives or large files; and
 its core needs nothing a lent GPU machine's image lacks."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,28 @@ print(json.dumps(model.generate([3, 1, 4], max_tokens=8, ignore_eos=True).token_
     expected = here.generate([3, 1, 4], max_tokens=8, ignore_eos=True).token_ids
     here.shutdown()
     assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
+
+
+# a result file as the READMEs cite it: EXPERIMENT[-VARIANT]-UTC TIME[.json|.png]
+CITED_RESULT = re.compile(r"(?<![\w-])([a-z][a-z0-9_]*(?:-[a-z0-9_]+)*-20\d{6}T\d{6}Z)"
+                          r"(\.json|\.png)?")
+
+
+def cited_results(text: str) -> set[str]:
+    """The result files (their names without the suffix) `text` cites."""
+    return {m.group(1) for m in CITED_RESULT.finditer(text)}
+
+
+def test_every_result_a_readme_cites_is_in_the_repository():
+    """Each figure's result file, named in README.md, experiments/README.md or a module's
+    README (e.g. `prefill_split-20261205T122506Z`), is under experiments/results."""
+    docs = [ROOT / "README.md", *ROOT.glob("experiments/README.md"),
+            *ROOT.glob("xlr_jax/**/README.md")]
+    kept = {p.name.rsplit(".", 1)[0] for p in (ROOT / RESULTS).iterdir()}
+    cited = {(d.relative_to(ROOT).as_posix(), name)
+             for d in docs for name in cited_results(d.read_text())}
+    assert len(cited) > 100  # the READMEs cite their figures' files
+    assert sorted((doc, name) for doc, name in cited if name not in kept) == []
+    assert cited_results("`batching-avx2-20261204T170849Z.json`, `-183745Z`, "
+                         "tensor_parallel_choices-20261205T132754Z") == {
+        "batching-avx2-20261204T170849Z", "tensor_parallel_choices-20261205T132754Z"}
