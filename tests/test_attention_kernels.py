@@ -517,16 +517,24 @@ def test_compiled_kernel_on_gpu():
     (3, jnp.float8_e4m3fn, 1, None, 50.0)])
 def test_kernel_lowers_through_triton_without_a_gpu(q_len, kv_dtype, layer, window, softcap):
     """Lowering for CUDA needs no device: every Pallas primitive the kernel uses has a Triton
-    rule (what interpret mode cannot show). Compiling the PTX still needs the GPU check."""
+    rule (what interpret mode cannot show). Compiling the PTX still needs the GPU check.
+    The GPU it lowers for is named by an abstract mesh's device (jax 0.11 asks which one;
+    0.10 takes it too)."""
     batch, pages = 4, 8
     pool = (40, 8, 16, 128) if layer is None else (3, 40, 8, 16, 128)
     k = jnp.zeros(pool, kv_dtype)
     scales = None if kv_dtype == jnp.bfloat16 else jnp.ones(pool[:-1], jnp.float32)
-    lowered = jax.jit(functools.partial(
-        ragged_paged_attention_pallas, max_q_len=q_len, layer=layer, sliding_window=window,
-        softcap=softcap, interpret=False)).trace(
-        jnp.zeros((batch * q_len, 32, 128), jnp.bfloat16), k, k,
-        jnp.zeros((batch, pages), jnp.int32), jnp.full(batch, 100, jnp.int32),
-        jnp.arange(batch + 1, dtype=jnp.int32) * q_len, jnp.zeros(batch * q_len, jnp.int32),
-        scales, scales).lower(lowering_platforms=("cuda",))
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                       platform="gpu")
+    target = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                       abstract_device=h200)
+    with jax.sharding.use_abstract_mesh(target):
+        lowered = jax.jit(functools.partial(
+            ragged_paged_attention_pallas, max_q_len=q_len, layer=layer,
+            sliding_window=window, softcap=softcap, interpret=False)).trace(
+            jnp.zeros((batch * q_len, 32, 128), jnp.bfloat16), k, k,
+            jnp.zeros((batch, pages), jnp.int32), jnp.full(batch, 100, jnp.int32),
+            jnp.arange(batch + 1, dtype=jnp.int32) * q_len,
+            jnp.zeros(batch * q_len, jnp.int32), scales, scales).lower(
+            lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()

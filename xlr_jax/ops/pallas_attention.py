@@ -25,7 +25,7 @@ Constraints (Triton): head_dim, page_size * pages_per_block and
 block_q * gp are powers of two >= 16; head_dim % 16 == 0.
 
 Lowering: on GPU the kernel is compiled through Pallas' Triton backend (jax
-0.10.x, pinned in pyproject). jax 0.11 deprecates that backend in favour of
+0.10.2 to 0.11.x, pinned in pyproject). jax 0.11 deprecates that backend in favour of
 Mosaic GPU; moving on means rewriting the page loop with Mosaic GPU's explicit
 TMA copies and warpgroup matmuls (see jax.experimental.pallas.mosaic_gpu). On
 the CPU it runs in Pallas' interpret mode, which is how it is tested.
