@@ -3,8 +3,8 @@ head replicated or split by vocabulary, and the layer's collectives written out 
 `shard_map` or placed by XLA (GSPMD).
 
 On --devices virtual CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count, set
-here), each jitted program timed alone, medians of --reps runs after a warm-up (compile)
-run, for a decode step's rows (1 and 8) and a prefill chunk's (256):
+here), the jitted programs of a case taking turns, medians of --reps rounds after a
+compile run, for a decode step's rows (1 and 8) and a prefill chunk's (256):
 
 - LM head, f32 [V, d] for two shapes (the embedded model's 49,152 x 576 and a Llama-3-style
   128,256 x 2,048): replicated, every device computing all the logits (today's layout);
@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -43,6 +42,8 @@ import numpy as np  # noqa: E402
 from jax import shard_map  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from xlr_jax.bench.step_timing import timed  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 HEADS = {"embedded 49152 x 576": (49152, 576), "llama-3 128256 x 2048": (128256, 2048)}
 MLP = (2048, 8192)
@@ -51,15 +52,11 @@ QUICK_HEADS = {"tiny 4096 x 256": (4096, 256)}
 QUICK_MLP = (256, 1024)
 
 
-def timed(fn, args, reps: int) -> float:
-    """Median seconds of `fn(*args)`, after one warm-up (compile) run."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def side_by_side(programs: dict, args: dict, reps: int) -> dict:
+    """Median seconds of each program on its arguments, the programs taking turns
+    (`bench.step_timing.timed`: each compiled first)."""
+    return timed({name: partial(lambda fn, a: jax.block_until_ready(fn(*a)), fn, args[name])
+                  for name, fn in programs.items()}, reps)
 
 
 def head_programs(mesh) -> dict:
@@ -117,9 +114,9 @@ def measure(n: int, heads: dict, mlp: tuple, reps: int) -> dict:
         for rows in ROWS:
             h = put(rng.standard_normal((rows, d), np.float32), P())
             programs = head_programs(mesh)
-            out["head"][f"{name}, {rows} rows"] = {
-                layout: timed(fn, (h, placed[spec]), reps)
-                for layout, (fn, spec) in programs.items()}
+            out["head"][f"{name}, {rows} rows"] = side_by_side(
+                {layout: fn for layout, (fn, _) in programs.items()},
+                {layout: (h, placed[spec]) for layout, (_, spec) in programs.items()}, reps)
             results = {k: np.asarray(fn(h, placed[spec])) for k, (fn, spec) in programs.items()}
             logits = results.pop("replicated")
             best = results.pop("vocab split, best token gathered")
@@ -132,8 +129,8 @@ def measure(n: int, heads: dict, mlp: tuple, reps: int) -> dict:
                for shape, spec in zip(((d, f), (d, f), (f, d)), specs[1:])]
     for rows in ROWS:
         h = put(rng.standard_normal((rows, d), np.float32), P())
-        out["mlp"][f"{rows} rows"] = {name: timed(fn, (h, *weights), reps)
-                                      for name, fn in programs.items()}
+        out["mlp"][f"{rows} rows"] = side_by_side(
+            programs, {name: (h, *weights) for name in programs}, reps)
         a, b = (np.asarray(fn(h, *weights)) for fn in programs.values())
         out["agree"] &= bool(np.allclose(a, b, rtol=1e-4, atol=1e-4))
     return out

@@ -296,7 +296,8 @@ class Scheduler:
         drawing past its token limit (an EOS in flight only wastes one row of one step)
         and every row's page found."""
         joinable = bool(self.waiting) and len(self.running) < self.max_batch
-        decoding = [r for r in self.running if r is not self.prefilling]
+        decoding = (self.running if self.prefilling is None
+                    else [r for r in self.running if r is not self.prefilling])
         return (last.chunk is None and last.decode == decoding and not last.verify
                 and not joinable
                 and all(len(r.generated) + 2 <= r.limit for r in self.running)
