@@ -19,7 +19,7 @@ import pytest
 from tiny_gguf import write_tiny_gguf
 
 import xlr_jax
-from xlr_jax.loading.disk_cache import file_digest
+from xlr_jax.loading.disk_cache import atomic_entry, file_digest
 from xlr_jax.loading.weights import load_weights, open_source
 
 TEXTS = ["Hello there, the theory is on.", "<|im_start|>user\nhi<|im_end|>\n", "tabs\tand 123 é 😀"]
@@ -96,6 +96,21 @@ def test_file_digest_is_remembered_until_the_file_changes(tmp_path):
     data.write_bytes(b"other" * 1000)
     assert file_digest([data], tmp_path / "cache") not in (real, "f" * 32)
     assert file_digest([data]) == file_digest([data], tmp_path / "cache")
+
+
+def test_a_cache_entry_published_by_another_process_meanwhile_is_kept(tmp_path):
+    """Two processes loading one model convert it at once; the second to finish finds the
+    first's entry in place (a rename onto it fails: ENOTEMPTY) and keeps it."""
+    entry = tmp_path / "params" / "key"
+    with atomic_entry(entry) as tmp:
+        (tmp / "a.npy").write_bytes(b"mine")
+        entry.mkdir()  # the other process's rename lands while this one still writes
+        (entry / "a.npy").write_bytes(b"theirs")
+    assert (entry / "a.npy").read_bytes() == b"theirs"
+    assert sorted(p.name for p in entry.parent.iterdir()) == ["key"]  # no temporary left
+    with atomic_entry(tmp_path / "params" / "fresh") as tmp:
+        (tmp / "a.npy").write_bytes(b"mine")
+    assert (tmp_path / "params" / "fresh" / "a.npy").read_bytes() == b"mine"
 
 
 def test_cached_params_are_memory_mapped_and_checked_once(tiny, tmp_path):

@@ -57,14 +57,21 @@ def write_atomic(path: Path, text: str) -> None:
 
 @contextlib.contextmanager
 def atomic_entry(entry: Path):
-    """Yield a fresh temporary directory that replaces `entry` once the block succeeds."""
+    """Yield a fresh temporary directory that becomes `entry` once the block succeeds.
+    Where another process published `entry` first (two loads of one model at once), its
+    entry is kept and this one dropped: the key names the content, so they are the same;
+    removing it first would race the other's rename (ENOTEMPTY). A damaged entry is the
+    caller's to remove before writing again."""
     tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        shutil.rmtree(entry, ignore_errors=True)
-        os.replace(tmp, entry)
+        try:
+            os.replace(tmp, entry)
+        except OSError:
+            if not entry.is_dir():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -495,7 +495,7 @@ def open_source(path: str | os.PathLike, cache_dir=None) -> ModelSource:
         return ModelSource(path, digest, _read_hf_config(path),
                            Tokenizer.from_hf_dir(path) if has_tokenizer else None, False)
     entry = Path(cache_dir, "source", digest) if cache_dir else None
-    if entry is not None and (entry / "source.json").exists():
+    if entry is not None and entry.exists():
         try:
             return ModelSource(path, digest, *_read_source_entry(entry, digest), True)
         except Exception as e:  # a damaged or foreign entry is rebuilt, never trusted
