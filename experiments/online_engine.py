@@ -70,66 +70,21 @@ PLAN_KEYS = ("max_context", "max_batch", "prefill_chunk", "page_size", "num_page
 
 def workload(tokenizer, n: int, prompt: tuple[int, int], output: tuple[int, int],
              seed: int) -> list[dict]:
-    """`n` requests: arrival in units of the mean gap (scaled by 1/rate later), prompt ids,
-    max_tokens."""
-    rng = np.random.default_rng(seed)
+    """`n` requests over the passage of experiments/cpu_vs_transformers.toml."""
     text = tomllib.loads(PASSAGE.read_text())["prompt"]["passage"]
-    base = tokenizer.encode(text, add_special_tokens=False)
-    tiled = base * (prompt[1] // len(base) + 2)  # any offset in base leaves a full window
-    gaps = rng.exponential(1.0, n)
-    arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
-
-    def log_uniform(lo, hi):
-        return np.exp(rng.uniform(np.log(lo), np.log(hi + 1), n)).astype(int).clip(lo, hi)
-
-    lengths, outputs = log_uniform(*prompt), log_uniform(*output)
-    offsets = rng.integers(0, len(base), n)
-    return [{"arrival": float(a), "prompt": tiled[o:o + p], "max_tokens": int(m)}
-            for a, p, m, o in zip(arrivals, lengths, outputs, offsets)]
+    return arrivals().poisson_workload(tokenizer, text, n, prompt, output, seed)
 
 
-def _sleep_until(t: float) -> None:
-    time.sleep(max(0.0, t - time.perf_counter()))
+def arrivals():
+    """xlr_jax.bench.arrivals of this checkout, by its path: the base worker runs beside an
+    old commit's xlr_jax, which lacks it (the module imports numpy and the stdlib only)."""
+    import importlib.util
 
-
-def _record(req: dict, arrival: float, issued: float, result, t0: float) -> dict:
-    returned = time.perf_counter()
-    m = result.metrics
-    # the first token came its decode time before the return (the base engine starts a
-    # request's clock only once the call holds the model)
-    ttft = None if m["ttft_s"] is None else returned - (m["total_s"] - m["ttft_s"]) - arrival
-    return {"arrival_s": arrival - t0, "issued_s": issued - t0, "returned_s": returned - t0,
-            "prompt_tokens": len(req["prompt"]), "max_tokens": req["max_tokens"],
-            "completion_tokens": m["completion_tokens"], "finish_reason": result.finish_reason,
-            "ttft_s": ttft, "itl_s": m["itl_s"], "latency_s": returned - arrival}
-
-
-def run_engine(model, requests: list[dict], t0: float, deadline: float, records: list,
-               gaps: list) -> list[threading.Thread]:
-    """Submit each request at its arrival (this thread); a consumer thread per request
-    keeps its record and its streamed inter-token gaps."""
-    from xlr_jax.errors import XlrError
-
-    def consume(i, req, arrival, issued, handle):
-        times = [time.perf_counter() for _ in handle.tokens()]
-        records[i] = _record(req, arrival, issued, handle.result(), t0)
-        gaps[i] = np.diff(times).tolist()
-
-    consumers = []
-    for i, req in enumerate(requests):
-        arrival = t0 + req["arrival"]
-        if arrival >= deadline:
-            break
-        _sleep_until(arrival)
-        issued = time.perf_counter()
-        try:
-            handle = model.submit(req["prompt"], max_tokens=req["max_tokens"], ignore_eos=True)
-        except XlrError:  # shut down at the deadline: not issued
-            break
-        consumers.append(threading.Thread(target=consume, daemon=True,
-                                          args=(i, req, arrival, issued, handle)))
-        consumers[-1].start()
-    return consumers
+    spec = importlib.util.spec_from_file_location(
+        "xlr_bench_arrivals", ROOT / "xlr_jax" / "bench" / "arrivals.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_threads(model, requests: list[dict], t0: float, deadline: float,
@@ -137,15 +92,17 @@ def run_threads(model, requests: list[dict], t0: float, deadline: float,
     """A thread per request: sleep until its arrival, then `generate` (today's path)."""
     from xlr_jax.errors import XlrError
 
+    a = arrivals()
+
     def call(i, req, arrival):
-        _sleep_until(arrival)
+        a.sleep_until(arrival)
         issued = time.perf_counter()
         try:
             result = model.generate(req["prompt"], max_tokens=req["max_tokens"],
                                     ignore_eos=True)
         except XlrError:  # shut down at the deadline: not issued
             return
-        records[i] = _record(req, arrival, issued, result, t0)
+        records[i] = a.record(req, arrival, issued, result, t0)
 
     threads = [threading.Thread(target=call, args=(i, req, t0 + req["arrival"]), daemon=True)
                for i, req in enumerate(requests) if t0 + req["arrival"] < deadline]
@@ -154,45 +111,21 @@ def run_threads(model, requests: list[dict], t0: float, deadline: float,
     return threads
 
 
-def _percentiles(values: list, name: str) -> dict:
-    return {f"{name}_p{q}_s": float(np.percentile(values, q)) if values else None
-            for q in (50, 99)}
-
-
 def serve(model, path: str, requests: list[dict], rate: float, timeout: float) -> dict:
     """One run of the workload at `rate` through `path`; True in "timed_out" when the
     deadline passed: the engine was shut down (the caller loads it again), or, on the base
     commit (no shutdown), calls are still running (the worker exits after reporting)."""
+    a = arrivals()
+    if path == "engine":
+        return a.replay(model, requests, rate, timeout)
     scaled = [{**r, "arrival": r["arrival"] / rate} for r in requests]
-    records, gaps = [None] * len(scaled), [None] * len(scaled)
+    records = [None] * len(scaled)
     t0 = time.perf_counter() + 0.05  # the threads are started before the first arrival
     deadline = t0 + timeout
-    threads = (run_engine(model, scaled, t0, deadline, records, gaps) if path == "engine"
-               else run_threads(model, scaled, t0, deadline, records))
+    threads = run_threads(model, scaled, t0, deadline, records)
     for t in threads:
         t.join(max(0.0, deadline - time.perf_counter()))
-    timed_out = any(t.is_alive() for t in threads)
-    if timed_out and path == "engine":
-        model.shutdown()
-        for t in threads:
-            t.join()
-    answered = [r for r in records if r is not None]
-    # latencies of the requests that ran to the end; throughput counts every token delivered
-    done = [i for i, r in enumerate(records) if r and r["finish_reason"] == "length"]
-    finished = [records[i] for i in done]
-    span = max((r["returned_s"] for r in answered), default=0.0)
-    tokens = sum(r["completion_tokens"] for r in answered)
-    return {"requests": len(scaled), "finished": len(finished),
-            "aborted": sum(r["finish_reason"] == "abort" for r in answered),
-            # never issued (arriving after the deadline) or failed
-            "unanswered": len(scaled) - len(answered), "timed_out": timed_out,
-            "completion_tokens": tokens, "throughput_tokens_per_s": tokens / span if span else 0.0,
-            **_percentiles([r["ttft_s"] for r in finished], "ttft"),
-            **_percentiles([r["itl_s"] for r in finished], "itl"),
-            **_percentiles([r["latency_s"] for r in finished], "latency"),
-            **(_percentiles([g for i in done for g in gaps[i]], "itl_gap")
-               if path == "engine" else {}),
-            "per_request": records}
+    return a.summary(len(scaled), records, None, any(t.is_alive() for t in threads))
 
 
 class BaseWorker:

@@ -30,24 +30,8 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from xlr_jax.bench.cells import agent_conversation
 from xlr_jax.bench.serving import TURNS, agent_system_prompt
-
-
-def conversation(model, system: str, max_tokens: int, turns_text=TURNS) -> list[dict]:
-    messages = [{"role": "system", "content": system}]
-    turns = []
-    for text in turns_text:
-        messages.append({"role": "user", "content": text})
-        r = model.chat(messages, max_tokens=max_tokens)
-        m = r.metrics
-        turns.append({"ttft_s": m["ttft_s"], "prompt_tokens": m["prompt_tokens"],
-                      "cached_tokens": m["cached_tokens"],
-                      "prefilled_tokens": m["prefilled_tokens"],
-                      "stable_tokens": m["stable_tokens"],
-                      "stable_cached_tokens": m["stable_cached_tokens"],
-                      "token_ids": r.token_ids})
-        messages.append({"role": "assistant", "content": r.text})
-    return turns
 
 
 def run_mode(mode: str, cache_dir: str, max_tokens: int) -> dict:
@@ -57,11 +41,11 @@ def run_mode(mode: str, cache_dir: str, max_tokens: int) -> dict:
     model = xlr_jax.load_model("smollm2", cache_dir=cache_dir, max_context=4096, max_batch=1,
                                prefix_cache=mode != "off")
     if mode != "warm":  # warm-up, 12 turns: compiles every step shape the 8 turns will meet
-        conversation(model, agent_system_prompt("Athena"), max_tokens, TURNS + TURNS[:4])
+        agent_conversation(model, agent_system_prompt("Athena"), max_tokens, TURNS + TURNS[:4])
         if model.prefix_cache is not None:  # its tier must not take the measured one's pages
             for tier in model.prefix_cache.registered():
                 model.prefix_cache.unregister_stable(tier)
-    turns = conversation(model, agent_system_prompt("Hermes"), max_tokens)
+    turns = agent_conversation(model, agent_system_prompt("Hermes"), max_tokens, TURNS)
     model.engine.kv.flush()
     return {"mode": mode, "turns": turns, "load": model.load_info,
             "stats": model.prefix_cache.stats() if model.prefix_cache else None}

@@ -6,6 +6,7 @@ runner with `generate(ids, n) -> Run`; `measure` times any of them the same way.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random
 import statistics
 import time
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from xlr_jax.api import load_model
+from xlr_jax.errors import XlrError
 from xlr_jax.kv.pages import pages_for
 from xlr_jax.loading.registry import resolve_model
 from xlr_jax.model.config import ModelConfig
@@ -25,6 +27,10 @@ from xlr_jax.model.tensor_parallel import TensorParallel, kv_heads, make_mesh
 from xlr_jax.planning.hardware import probe
 from xlr_jax.planning.mapper import Workload, plan
 from xlr_jax.runtime.engine import Engine
+
+
+class BenchError(XlrError):
+    """The config cannot be read, or needs hardware this machine lacks."""
 
 
 class Run(NamedTuple):
@@ -59,6 +65,8 @@ class XlrRunner:
         self.weight_bytes_per_token = params.nbytes() - unread - (
             0 if params.lm_head is None else params.embed.nbytes)
         self.kv_bytes_per_position = c.kv_bytes_per_token(engine.runner.kv.k.dtype.itemsize)
+        # two a weight multiplied (attention's share is small at these contexts)
+        self.flops_per_token = 2 * c.active_matmul_params()
 
     def encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
@@ -80,16 +88,26 @@ class XlrRunner:
                           [d.token_ids for d in done])
 
 
+SPEC_KEYS = ("kind", "label", "model", "check_targets")  # what an engine spec says of itself
+LOAD_OPTIONS = tuple(inspect.signature(load_model).parameters)[1:]
+
+
+def load_options(spec: dict, own: tuple[str, ...] = ()) -> dict:
+    """An xlr engine spec's `load_model` arguments: every key but the spec's own and
+    `own` (a measurement's); a key load_model does not take is refused by name."""
+    options = {k: v for k, v in spec.items() if k not in SPEC_KEYS + own}
+    unknown = sorted(set(options) - set(LOAD_OPTIONS))
+    if unknown:
+        raise BenchError(f"unknown engine option(s) {', '.join(unknown)}: an xlr engine takes "
+                         f"load_model's ({', '.join(LOAD_OPTIONS)})"
+                         + (f" and {', '.join(own)}" if own else ""))
+    return options
+
+
 def load_xlr(spec: dict) -> XlrRunner:
     # prefix cache off by default: every run then prefills its whole prompt, as
     # transformers does, so TTFT compares prefill with prefill
-    model = load_model(spec["model"], dtype=spec.get("dtype"), weights=spec.get("weights"),
-                       prefix_cache=spec.get("prefix_cache", False),
-                       compiler_options=spec.get("compiler_options"),
-                       attn_impl=spec.get("attn_impl", "auto"),
-                       linear_impl=spec.get("linear_impl", "auto"),
-                       max_step_tokens=spec.get("max_step_tokens"),
-                       tensor_parallel=spec.get("tensor_parallel"))
+    model = load_model(spec["model"], **{"prefix_cache": False, **load_options(spec)})
     info = {"model": spec["model"], "dtype": model.dtype, "weights": model.plan.weights,
             "param_bytes": model.engine.runner.params.nbytes(),
             "attn_impl": model.plan.attn_impl, "linear_impl": model.plan.linear_impl,

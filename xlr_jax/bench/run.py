@@ -22,22 +22,16 @@ from pathlib import Path
 import jax
 from tqdm.auto import tqdm
 
-from xlr_jax.bench.engines import (RUNNERS, leading_agreement, measure, measure_streams,
-                                   prompt_ids, roofline)
-from xlr_jax.errors import XlrError
+from xlr_jax.bench.engines import (RUNNERS, BenchError, leading_agreement, measure,
+                                   measure_streams, prompt_ids, roofline)
 from xlr_jax.ops import cpu_kernels
 from xlr_jax.planning.hardware import cpu_features, cpu_name, measure_bandwidth
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-class BenchError(XlrError):
-    """The config cannot be read, or needs hardware this machine lacks."""
-
-
-def run_bench(config_path: str, out_dir: str | None = None, quick: bool = False) -> dict:
-    """Run the config's engines; write and return the results (plus their `json_path`)."""
-    path = Path(config_path)
+def read_config(path: Path) -> dict:
+    """A benchmark config, refused if it cannot be read or needs a GPU JAX does not see."""
     try:
         config = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
@@ -47,7 +41,25 @@ def run_bench(config_path: str, out_dir: str | None = None, quick: bool = False)
         raise BenchError(
             f"{path} needs a GPU ([requirements] gpu = true) but JAX sees only the {backend}; "
             "run it on a GPU machine with jax[cuda12]")
-    run = {**config["run"], **(config.get("quick", {}) if quick else {})}
+    return config
+
+
+def run_bench(config_path: str, out_dir: str | None = None, quick: bool = False,
+              sweep: bool = False, repeats: int | None = None) -> dict:
+    """Run the config's engines (or with `sweep`, every cell of its grid, `repeats` rounds:
+    see `xlr_jax.bench.sweep`); write and return the results (plus their `json_path`)."""
+    path = Path(config_path)
+    config = read_config(path)
+    if sweep:
+        from xlr_jax.bench.sweep import run_sweep
+
+        return run_sweep(config, path, out_dir, quick, repeats)
+    if "sweep" in config:
+        raise BenchError(f"{path} declares a grid ([sweep]): run it with --sweep")
+    if "engines" not in config:
+        raise BenchError(f"{path} names no [[engines]] to measure")
+    run = {**config["run"], **(config.get("quick", {}) if quick else {}),
+           **({"repeats": repeats} if repeats else {})}
     engine_specs = config["engines"]
     started = datetime.now(timezone.utc)
     t0, load_before = time.perf_counter(), os.getloadavg()[0]
@@ -71,10 +83,16 @@ def run_bench(config_path: str, out_dir: str | None = None, quick: bool = False)
         "all_targets_pass": all(t["pass"] for t in figures["targets"].values()),
     }
     out = Path(out_dir) if out_dir else path.parent / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    json_path = out / f"{path.stem}-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+    return save_bench_result(result, out / f"{path.stem}-{started:%Y%m%dT%H%M%SZ}.json",
+                             table(result))
+
+
+def save_bench_result(result: dict, json_path: Path, table: str) -> dict:
+    """Write a bench result as JSON, print its table and path; the result plus its
+    `json_path`."""
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
+    print(table)
     print(f"results: {json_path}")
     return {**result, "json_path": str(json_path)}
 
@@ -294,18 +312,30 @@ def _batching_table(result: dict) -> str:
 
 
 def add_cli(subparsers) -> None:
-    """Register `bench CONFIG.toml [--out DIR] [--quick]` on an argparse subparsers object."""
-    p = subparsers.add_parser("bench", help="run a benchmark config (experiments/*.toml)")
+    """Register `bench CONFIG.toml [--sweep] [--repeats N] [--out DIR] [--quick]`."""
+    p = subparsers.add_parser(
+        "bench", help="run a benchmark config (experiments/*.toml) or an ablation grid",
+        description="Measure the engines a config names, or with --sweep every cell of an "
+                    "ablation grid (experiments/ablations/*.toml), each cell in a process of "
+                    "its own; one JSON of figures, environment and git state. `xlr report` "
+                    "draws the results.")
     p.add_argument("config", metavar="CONFIG.toml", help="the benchmark config")
     p.add_argument("--out", metavar="DIR", help="results folder (default: results/ beside the config)")
     p.add_argument("--quick", action="store_true", help="the config's [quick] sizes: a smoke test")
+    p.add_argument("--sweep", action="store_true",
+                   help="run the grid the config declares ([sweep]): the product of its "
+                        "listed values, each cell in a fresh process")
+    p.add_argument("--repeats", type=int, metavar="N",
+                   help="with --sweep: rounds over the grid (figures: median, min and max); "
+                        "without: runs per engine (the config's [run] repeats)")
     p.set_defaults(func=_cli)
 
 
 def _cli(args) -> int:
     try:
-        run_bench(args.config, args.out, quick=args.quick)
+        result = run_bench(args.config, args.out, quick=args.quick, sweep=args.sweep,
+                           repeats=args.repeats)
     except BenchError as e:
         print(f"xlr bench: {e}", file=sys.stderr)
         return 2
-    return 0
+    return 1 if result.get("failed_cells") else 0

@@ -165,10 +165,10 @@ TURNS = ["Find the three most cited papers on speculative decoding.",
          "Create an issue to reproduce its main table."]
 
 
-def agent_system_prompt(variant: str, rules: int = 12) -> str:
-    """An agent's stable tier: rules and tool schemas, ~1.9k tokens for 12 rules; `variant`
-    changes words, hardly the token count."""
-    tools = [{"type": "function", "function": {
+def agent_system_prompt(variant: str, rules: int = 12, tools: int = len(TOOLS)) -> str:
+    """An agent's stable tier: rules and the first `tools` tool schemas, ~1.9k tokens for 12
+    rules and all 8 tools; `variant` changes words, hardly the token count."""
+    schemas = [{"type": "function", "function": {
         "name": f"{variant}_{name}",
         "description": f"Tool {name.replace('_', ' ')}: use it when the user asks to "
                        f"{name.replace('_', ' ')}. It returns JSON with fields status, result "
@@ -177,12 +177,12 @@ def agent_system_prompt(variant: str, rules: int = 12) -> str:
             "query": {"type": "string", "description": "what to look for, in plain words"},
             "limit": {"type": "integer", "description": "results to return at most (1-50)"},
             "path": {"type": "string", "description": "a path relative to the workspace"}},
-            "required": ["query"]}}} for name in TOOLS]
+            "required": ["query"]}}} for name in TOOLS[:tools]]
     rules_text = "\n".join(f"{i}. Rule {i} for {variant}: think step by step, prefer tools "
                            "over guessing, cite sources, keep answers under five sentences, "
                            "and say when you are unsure." for i in range(1, rules + 1))
     return (f"You are {variant}, a local research agent. Follow the rules below.\n"
-            f"{rules_text}\nTools available (JSON schemas):\n" + json.dumps(tools, indent=1))
+            f"{rules_text}\nTools available (JSON schemas):\n" + json.dumps(schemas, indent=1))
 
 
 def agent_message(agent: int, turn: int) -> str:

@@ -1,4 +1,4 @@
-"""The `xlr` command line: generate, chat, info, serve, bench."""
+"""The `xlr` command line: generate, chat, info, serve, bench, report (and plan's commands)."""
 from __future__ import annotations
 
 import argparse
@@ -438,9 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_serve_parser(sub)
 
-    from xlr_jax.bench import run
+    from xlr_jax.bench import report, run
     from xlr_jax.cli import plan
     run.add_cli(sub)
+    report.add_cli(sub)
     plan.add_cli(sub, _add_model_options)
     return parser
 

@@ -225,22 +225,15 @@ def plot(figures: dict, hw: HardwareProfile, out: str, measured: list[dict] = ()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    peak = hw.peak_tflops
-    bw = hw.peak_bandwidth_gb_s * 1e9 / 1e12  # TFLOP/s per (FLOP/byte)
-    xs = [10 ** (k / 20) for k in range(-40, 101)]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.loglog(xs, [min(peak, bw * x) for x in xs], color="black",
-              label=f"{hw.device_name}: {hw.peak_bandwidth_gb_s:.0f} GB/s, {peak:g} TFLOP/s")
-    ax.axvline(hw.ridge_flops_per_byte, color="grey", linestyle=":", linewidth=1)
+    attainable = draw_roof(ax, hw.peak_tflops, hw.peak_bandwidth_gb_s, hw.device_name)
     for phase, marker in (("prefill", "o"), ("decode", "s")):
         x = figures[f"{phase}_intensity"]
-        ax.loglog([x], [min(peak, bw * x)], marker, markersize=9,
+        ax.loglog([x], [attainable(x)], marker, markersize=9,
                   label=f"{figures['model']} {phase} (predicted)")
     for point in measured:
         ax.loglog([point["intensity"]], [point["tflops"]], "x", markersize=9,
                   label=f"{point['label']} (measured)")
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("attainable TFLOP/s")
     ax.set_title(f"{figures['model']}: prompt {figures['prompt_tokens']}, "
                  f"batch {figures['batch']}")
     ax.legend(fontsize=8, loc="lower right")
@@ -248,3 +241,20 @@ def plot(figures: dict, hw: HardwareProfile, out: str, measured: list[dict] = ()
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+def draw_roof(ax, peak_tflops: float, bandwidth_gb_s: float, device: str):
+    """A log-log roofline on `ax` (compute peak and bandwidth slope, the ridge dotted, axes
+    labelled); returns attainable TFLOP/s as a function of FLOP/byte."""
+    bw = bandwidth_gb_s * 1e9 / 1e12  # TFLOP/s per (FLOP/byte)
+
+    def attainable(x: float) -> float:
+        return min(peak_tflops, bw * x)
+
+    xs = [10 ** (k / 20) for k in range(-40, 101)]
+    ax.loglog(xs, [attainable(x) for x in xs], color="black",
+              label=f"{device}: {bandwidth_gb_s:.0f} GB/s, {peak_tflops:g} TFLOP/s")
+    ax.axvline(peak_tflops / bw, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("attainable TFLOP/s")
+    return attainable

@@ -117,7 +117,9 @@ class SmcRun:
             live = [p for p in self.particles if p.finish_reason is None]
             if not live or n * (1 + max(draft_budgets(live))) > max_rows:
                 return False
-        degenerate = float(ess(self.log_w)) < spec.ess_threshold * len(self.particles)
+        ess_fraction = float(ess(self.log_w)) / len(self.particles)
+        degenerate = ess_fraction < spec.ess_threshold
+        weights = np.exp(self.log_w - self.log_w.max())
         if degenerate or n < len(self.particles):
             self._resample(n, degenerate)
         elif n > len(self.particles):
@@ -129,7 +131,8 @@ class SmcRun:
         self.live = [j for j, p in enumerate(self.particles) if p.finish_reason is None]
         self.rows = [self.particles[j] for j in self.live]
         if self.rows:  # none: resampled onto finished particles only
-            watch.particles.append(len(self.particles))
+            watch.record_pass(len(self.particles), (weights / weights.sum()).tolist(),
+                              ess_fraction, degenerate)
             for p, b in zip(self.rows, draft_budgets(self.rows)):
                 kv.reserve(p.seq, p.seq.length + b + 1)
         self.prepared = True
@@ -209,7 +212,13 @@ class SmcWatch:
 
     def __init__(self, min_agreement: float):
         self.min_agreement = min_agreement
+        # per pass: the particles it ran; the normalized weights it found (the last pass's
+        # outcome; at first the request alone, weight 1), their ESS / N, and whether they
+        # were resampled for being degenerate
         self.particles: list[int] = []
+        self.weights: list[list[float]] = []
+        self.ess_before: list[float] = []
+        self.resampled: list[bool] = []
         self.resamples, self.log_z = 0, 0.0
         self.trials, self.agreement_sum, self.positions = 0, 0.0, 0
         self.ess_fractions: list[float] = []
@@ -221,6 +230,13 @@ class SmcWatch:
         """The next pass runs one particle: on probation, or fallen back."""
         return self.fallback is not None or (self.min_agreement > 0
                                              and self.trials < SMC_PROBATION)
+
+    def record_pass(self, particles: int, weights: list[float], ess_fraction: float,
+                    resampled: bool) -> None:
+        self.particles.append(particles)
+        self.weights.append(weights)
+        self.ess_before.append(ess_fraction)
+        self.resampled.append(resampled)
 
     def observe_exact(self, agreement, positions: int) -> None:
         """A one-particle pass's per-position agreement and how many positions count."""
@@ -255,7 +271,9 @@ class SmcWatch:
         return self.agreement_sum / self.positions if self.positions else None
 
     def metrics(self) -> dict:
-        return {"particles": self.particles, "resamples": self.resamples,
+        return {"particles": self.particles, "smc_weights": self.weights,
+                "smc_ess_before": self.ess_before, "smc_resampled": self.resampled,
+                "resamples": self.resamples,
                 "log_normalizer": self.log_z, "smc_cycles": len(self.ess_fractions),
                 "smc_fallback": self.fallback, "draft_agreement": self.agreement,
                 "smc_ess_fraction": (float(np.mean(self.ess_fractions))
