@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from xlr_jax.bench.cells import AGENT_MODES
+
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("kernels", "decode_8b", "engine_batches", "speculation", "prefix_cache", "quantized")
 LLAMA3_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096, num_heads=32,
@@ -45,7 +47,7 @@ LLAMA3_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096, num_
 TINY_8B = dict(LLAMA3_8B, vocab_size=1024, hidden_size=256, num_heads=8, num_kv_heads=2,
                head_dim=32, intermediate_size=512, max_context=512, num_layers=2)
 FULL = dict(
-    budget_s=470, dtype="bfloat16",
+    budget_s=470, dtype="bfloat16", bandwidth_gib=2.0,
     timeouts=dict(kernels=200, decode_8b=120, engine_batches=90, speculation=120,
                   prefix_cache=120, quantized=120),
     model=dict(vocab_size=32768, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
@@ -58,7 +60,7 @@ FULL = dict(
                    decode_tokens=64, runs=3),
     engine=dict(max_context=4096, max_batch=32))
 SMOKE = dict(
-    budget_s=900, dtype="float32",
+    budget_s=900, dtype="float32", bandwidth_gib=0.05,
     timeouts=dict(kernels=300, decode_8b=120, engine_batches=120, speculation=180,
                   prefix_cache=180, quantized=120),
     model=dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -151,7 +153,7 @@ def decode_8b(s: dict, work: Path, model: Path | None, timeout_s: float) -> dict
     cell = {"measure": "decode", "engine": {"kind": "xlr-random", "shape": c["shape"],
                                             "dtype": s["dtype"], "label": "llama3-8b-shape"},
             "run": {"prompt_tokens": c["prompt_tokens"], "decode_tokens": c["decode_tokens"],
-                    "runs": c["runs"], "bandwidth_gib": 2.0 if s is FULL else 0.05,
+                    "runs": c["runs"], "bandwidth_gib": s["bandwidth_gib"],
                     "bandwidth_runs": 5},
             "prompt": {"kind": "random", "seed": 0}}
     got = _cells({"decode": cell}, timeout_s)["decode"]
@@ -205,7 +207,6 @@ def speculation(s: dict, work: Path, model: Path | None, timeout_s: float) -> di
     return {"checks": checks, "figures": {name: g["figures"] for name, g in got.items()}}
 
 
-AGENT_MODES = ("off", "on", "warm")
 RUN_ID = f"gpu{time.time_ns()}"
 NONCES = [f"{RUN_ID}{mode}" for mode in AGENT_MODES]  # in the model's vocabulary
 
@@ -230,7 +231,7 @@ def quantized(s: dict, work: Path, model: Path | None, timeout_s: float) -> dict
                    "engine": {"kind": "xlr", "model": str(model), "dtype": s["dtype"],
                               "weights": fmt, **s["engine"], "max_batch": 1},
                    "run": {"prompt_tokens": c["prompt_tokens"], "decode_tokens": c["decode_tokens"],
-                           "runs": c["runs"], "bandwidth_gib": 2.0 if s is FULL else 0.05,
+                           "runs": c["runs"], "bandwidth_gib": s["bandwidth_gib"],
                            "bandwidth_runs": 5},
                    "prompt": {"kind": "random", "seed": 2}} for fmt in c["formats"]}
     got = _cells(cells, timeout_s)

@@ -40,6 +40,7 @@ Run: python experiments/online_engine.py [--out experiments/results] [--quick] [
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -75,6 +76,7 @@ def workload(tokenizer, n: int, prompt: tuple[int, int], output: tuple[int, int]
     return arrivals().poisson_workload(tokenizer, text, n, prompt, output, seed)
 
 
+@functools.cache
 def arrivals():
     """xlr_jax.bench.arrivals of this checkout, by its path: the base worker runs beside an
     old commit's xlr_jax, which lacks it (the module imports numpy and the stdlib only)."""

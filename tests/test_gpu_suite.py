@@ -51,6 +51,7 @@ def test_the_kernel_part_checks_every_case_and_times_jax_beside_ours(smoke):
     assert set(kernels["targets"]) == {"decode_fraction_of_copy", "decode_time_over_jax",
                                        "verify_over_decode"}
     assert kernels["figures"]["copy_bandwidth_gb_per_s"] > 0
+    assert kernels["targets"]["verify_over_decode"]["value"] > 0
 
 
 def test_the_parts_report_their_figures(smoke):

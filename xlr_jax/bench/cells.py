@@ -38,6 +38,9 @@ from xlr_jax.bench.engines import (RUNNERS, BenchError, load_options, measure, m
 AGENT_MODES = ("off", "on", "warm")
 SPEC_KEYS = ("method", "draft", "gamma", "particles", "ess_threshold", "min_agreement",
              "resampler", "draft_weights")
+# the engine options a measure reads itself (the rest are load_model's)
+OWN_OPTIONS = {"decode": (), "streams": (), "agent": ("prefix_cache",),
+               "speculative": SPEC_KEYS, "load": ("rate",)}
 
 
 def decode(engine: dict, run: dict, prompt: dict, nonce: str) -> dict:
@@ -115,7 +118,7 @@ def agent(engine: dict, run: dict, prompt: dict, nonce: str) -> dict:
                                   "nonce": nonce})
         if "error" in first:
             raise BenchError(f"the warm cell's first process failed: {first['error']}")
-    options = load_options(engine, own=("prefix_cache",))
+    options = load_options(engine, own=OWN_OPTIONS["agent"])
     model = xlr_jax.load_model(engine["model"], prefix_cache=mode != "off", **options)
     if mode in ("off", "on"):  # compiles every step shape the measured turns meet
         agent_conversation(model, agent_system_prompt(f"warmup{nonce}", **size), max_tokens,
@@ -146,7 +149,7 @@ def speculative(engine: dict, run: dict, prompt: dict, nonce: str) -> dict:
     method = engine.get("method", "off")
     spec = None if method == "off" else {k: engine[k] for k in SPEC_KEYS if k in engine}
     model = xlr_jax.load_model(engine["model"], **{"prefix_cache": False,
-                                                   **load_options(engine, own=SPEC_KEYS)})
+                                                   **load_options(engine, own=OWN_OPTIONS["speculative"])})
     ids = _prompt(model, prompt, run)
     kw = dict(max_tokens=run["max_tokens"], temperature=run.get("temperature", 0.0),
               speculative=spec)
@@ -187,7 +190,7 @@ def load(engine: dict, run: dict, prompt: dict, nonce: str) -> dict:
     lengths, outputs = tuple(run["prompt_tokens"]), tuple(run["output_tokens"])
     model = xlr_jax.load_model(engine["model"], **{
         "prefix_cache": False, "max_context": lengths[1] + outputs[1],
-        **load_options(engine, own=("rate",))})
+        **load_options(engine, own=OWN_OPTIONS["load"])})
     requests = poisson_workload(model.tokenizer, prompt["passage"], run["requests"], lengths,
                                 outputs, prompt.get("seed", 0))
     model.warmup(progress=False)
@@ -197,16 +200,13 @@ def load(engine: dict, run: dict, prompt: dict, nonce: str) -> dict:
         model.shutdown()
     per_request = result.pop("per_request")
     figures = {k: v for k, v in result.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return {"figures": figures,
             "detail": {"timed_out": result["timed_out"], "per_request": per_request}}
 
 
 MEASURES = {"decode": decode, "streams": streams, "agent": agent, "speculative": speculative,
             "load": load}
-# the engine options a measure reads itself (the rest are load_model's)
-OWN_OPTIONS = {"decode": (), "streams": (), "agent": ("prefix_cache",),
-               "speculative": SPEC_KEYS, "load": ("rate",)}
 
 
 def check_cell(measure_name: str, engine: dict) -> None:

@@ -165,8 +165,9 @@ def _decode_points(results: list[dict]) -> list[dict]:
     return points
 
 
-def _roof_of(result: dict) -> tuple[float, float, str]:
-    """The peak TFLOP/s, read bandwidth (GB/s) and device of the machine a result ran on."""
+def _roof_of(result: dict) -> tuple[float | None, float, str]:
+    """The peak TFLOP/s (None where not recorded), read bandwidth (GB/s) and device of the
+    machine a result ran on."""
     hw = result.get("hardware", {})
     if result.get("kind") == "sweep":
         bandwidths = [_median(c, "read_bandwidth_gb_per_s") for c in result["cells"]]
@@ -174,7 +175,7 @@ def _roof_of(result: dict) -> tuple[float, float, str]:
     else:
         bw = result["bandwidth"]
         bandwidth = bw[f"{bw['kind']}_bandwidth_gb_per_s"]
-    return (hw.get("peak_tflops") or 0.0, bandwidth,
+    return (hw.get("peak_tflops"), bandwidth,
             hw.get("device_name") or result.get("environment", {}).get("cpu_model", "?"))
 
 
@@ -184,20 +185,14 @@ def plot_roofline(results: list[dict], path: Path) -> Path | None:
     points = _decode_points(results)
     if not points:
         return None
-    fig, (ax,) = _figure("Decode on the roofline (batch 1, measured)",
-                         _used((p["result"], None) for p in points))
-    for r in dict.fromkeys(id(p["result"]) for p in points):
-        result = next(p["result"] for p in points if id(p["result"]) == r)
-        peak, bandwidth, device = _roof_of(result)
-        if peak:
-            draw_roof(ax, peak, bandwidth, device)
-        else:  # no compute peak recorded: the bandwidth slope alone
-            xs = [p["intensity"] for p in points]
-            lo, hi = min(xs) / 3, max(xs) * 3
-            ax.loglog([lo, hi], [bandwidth * lo / 1e3, bandwidth * hi / 1e3], color="black",
-                      label=f"{device}: {bandwidth:.0f} GB/s read")
-            ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-            ax.set_ylabel("attainable TFLOP/s")
+    results = _used((p["result"], None) for p in points)
+    fig, (ax,) = _figure("Decode on the roofline (batch 1, measured)", results)
+    roofs = [_roof_of(r) for r in results]
+    # from below the points to past the highest of them and every ridge
+    xs = [p["intensity"] for p in points]
+    xs += [peak * 1e3 / bw for peak, bw, _ in roofs if peak]
+    for roof in roofs:
+        draw_roof(ax, *roof, span=(min(xs) / 3, max(xs) * 3))
     for p in points:
         ax.loglog([p["intensity"]], [p["tflops"]], "x", markersize=9, label=p["label"])
     ax.legend(fontsize=7, loc="lower right")

@@ -29,6 +29,8 @@ of them), added to the phase's time (not overlapped: a bound).
 """
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 from xlr_jax.model.config import ModelConfig, RopeScaling
@@ -243,18 +245,24 @@ def plot(figures: dict, hw: HardwareProfile, out: str, measured: list[dict] = ()
     plt.close(fig)
 
 
-def draw_roof(ax, peak_tflops: float, bandwidth_gb_s: float, device: str):
-    """A log-log roofline on `ax` (compute peak and bandwidth slope, the ridge dotted, axes
-    labelled); returns attainable TFLOP/s as a function of FLOP/byte."""
+def draw_roof(ax, peak_tflops: float | None, bandwidth_gb_s: float, device: str,
+              span: tuple[float, float] = (1e-2, 1e5)):
+    """A log-log roofline on `ax` over `span` FLOP/byte (compute peak and bandwidth slope,
+    the ridge dotted, axes labelled; with no peak known, the slope alone); returns
+    attainable TFLOP/s as a function of FLOP/byte."""
     bw = bandwidth_gb_s * 1e9 / 1e12  # TFLOP/s per (FLOP/byte)
 
     def attainable(x: float) -> float:
-        return min(peak_tflops, bw * x)
+        return bw * x if not peak_tflops else min(peak_tflops, bw * x)
 
-    xs = [10 ** (k / 20) for k in range(-40, 101)]
+    lo, hi = (math.log10(x) for x in span)
+    n = max(round((hi - lo) * 20), 2)  # 20 points a decade
+    xs = [10 ** (lo + (hi - lo) * k / n) for k in range(n + 1)]
+    peak = f", {peak_tflops:g} TFLOP/s" if peak_tflops else " read"
     ax.loglog(xs, [attainable(x) for x in xs], color="black",
-              label=f"{device}: {bandwidth_gb_s:.0f} GB/s, {peak_tflops:g} TFLOP/s")
-    ax.axvline(peak_tflops / bw, color="grey", linestyle=":", linewidth=1)
+              label=f"{device}: {bandwidth_gb_s:.0f} GB/s{peak}")
+    if peak_tflops:
+        ax.axvline(peak_tflops / bw, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("attainable TFLOP/s")
     return attainable
