@@ -37,8 +37,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from xlr_jax.bench.cells import AGENT_MODES
-
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("kernels", "decode_8b", "engine_batches", "speculation", "prefix_cache", "quantized")
 LLAMA3_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096, num_heads=32,
@@ -208,14 +206,21 @@ def speculation(s: dict, work: Path, model: Path | None, timeout_s: float) -> di
 
 
 RUN_ID = f"gpu{time.time_ns()}"
-NONCES = [f"{RUN_ID}{mode}" for mode in AGENT_MODES]  # in the model's vocabulary
+
+
+def nonces() -> dict[str, str]:
+    """Each prefix-cache mode's nonce (the words go in the tiny model's vocabulary);
+    imported here, not at the top, so that a broken import fails a part, not the suite."""
+    from xlr_jax.bench.cells import AGENT_MODES
+
+    return {mode: f"{RUN_ID}{mode}" for mode in AGENT_MODES}
 
 
 def prefix_cache(s: dict, work: Path, model: Path | None, timeout_s: float) -> dict:
     engine = {"model": str(model), "dtype": s["dtype"], **s["engine"], "max_batch": 1}
     cells = {mode: {"measure": "agent", "engine": {**engine, "prefix_cache": mode},
                     "run": s["agent"], "nonce": nonce}
-             for mode, nonce in zip(AGENT_MODES, NONCES)}
+             for mode, nonce in nonces().items()}
     got = _cells(cells, timeout_s)
     hits = {mode: g["figures"]["stable_hit_fraction"] for mode, g in got.items()}
     later = [1.0] * (s["agent"]["turns"] - 1)
@@ -262,7 +267,7 @@ def run_suite(s: dict, parts: list[str], work: Path) -> dict:
         try:
             if model is None and name not in ("kernels", "decode_8b"):
                 model = random_hf_model(work / "model", s["model"], s["dtype"],
-                                        agent_words(s, NONCES))
+                                        agent_words(s, list(nonces().values())))
             part = RUNNERS[name](s, work, model, min(s["timeouts"][name], left))
             results[name] = {"ok": all(part["checks"].values()), **part}
         except Exception as e:  # noqa: BLE001 (a part's failure is reported; the rest go on)

@@ -148,8 +148,8 @@ def speculative(engine: dict, run: dict, prompt: dict, nonce: str) -> dict:
 
     method = engine.get("method", "off")
     spec = None if method == "off" else {k: engine[k] for k in SPEC_KEYS if k in engine}
-    model = xlr_jax.load_model(engine["model"], **{"prefix_cache": False,
-                                                   **load_options(engine, own=OWN_OPTIONS["speculative"])})
+    options = load_options(engine, own=OWN_OPTIONS["speculative"])
+    model = xlr_jax.load_model(engine["model"], **{"prefix_cache": False, **options})
     ids = _prompt(model, prompt, run)
     kw = dict(max_tokens=run["max_tokens"], temperature=run.get("temperature", 0.0),
               speculative=spec)
