@@ -39,7 +39,9 @@ def summarize(trace_dir: str) -> list[tuple[str, int, float]]:
     total, count = collections.Counter(), collections.Counter()
     for plane in data.planes:
         for line in plane.lines:
-            if line.name == "python":  # the Python calls, not XLA's ops
+            # the Python calls, not XLA's ops: a line named after the interpreter's
+            # executable ("python", "python3", "python3.11")
+            if line.name.startswith("python"):
                 continue
             for event in line.events:
                 if event.name.startswith(("ThunkExecutor", "ThreadpoolListener",
