@@ -24,7 +24,7 @@ On a 2-core CPU the two virtual devices share the same two cores (XLA:CPU runs e
 device's programs on one thread pool): a prefill on device 1 slows device 0's decode
 steps while it runs; what the split removes is a decode step waiting for a chunk.
 
-Run: python experiments/prefill_split.py [--out DIR] [--rounds 2] [--quick]
+Run: python experiments/prefill_split.py [--out DIR] [--rounds 2] [--quick] [--model M]
 """
 from __future__ import annotations
 
@@ -120,6 +120,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results"))
     ap.add_argument("--rounds", type=int, default=2, help="passes of each setup, alternating")
     ap.add_argument("--quick", action="store_true", help="a tiny workload: a smoke test")
+    ap.add_argument("--model", default="smollm2",
+                    help="the model both setups load (default: the embedded one)")
     args = ap.parse_args(argv)
     w = QUICK if args.quick else FULL
     rounds = 1 if args.quick else args.rounds
@@ -127,9 +129,9 @@ def main(argv=None) -> dict:
     from xlr_jax import load_model
     from xlr_jax.bench.run import write_result
 
-    models = {"prefill in the decode steps": load_model("smollm2", prefix_cache=False,
+    models = {"prefill in the decode steps": load_model(args.model, prefix_cache=False,
                                                         **w["load"]),
-              "prefill on a device of its own": load_model("smollm2", prefill_devices=1,
+              "prefill on a device of its own": load_model(args.model, prefill_devices=1,
                                                            **w["load"])}
     for model in models.values():
         model.warmup(progress=False)
@@ -143,7 +145,7 @@ def main(argv=None) -> dict:
     ids = [p[0]["ids"] for p in passes.values()]
     base, split = figs.values()
     result = {"what": "running streams' ITL while long prompts prefill, with prefill in the "
-                      "decode steps and on a device of its own",
+                      "decode steps and on a device of its own", "model": args.model,
               "workload": {k: v for k, v in w.items() if k != "load"}, "load": w["load"],
               "rounds": rounds, "plan_max_step_tokens": next(
                   iter(models.values())).plan.max_step_tokens,

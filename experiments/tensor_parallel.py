@@ -11,7 +11,8 @@ one process, interleaved, medians of --reps runs after a warm-up (compile) run:
   by transformers, on 1, 2 and 4 devices.
 
 Each: decode tokens/s of one stream (64 tokens after a 128-token prompt) and the time to
-the first token, and their ratios to one device.
+the first token, and their ratios to one device. --quick runs the random Llama alone,
+small (a smoke test of the script; the tests check the embedded model's split).
 
 Run: python experiments/tensor_parallel.py [--out experiments/results] [--reps 3] [--quick]
 """
@@ -92,7 +93,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results"))
     ap.add_argument("--reps", type=int, default=3, help="timed runs per figure (median)")
-    ap.add_argument("--quick", action="store_true", help="small sizes, one run: a smoke test")
+    ap.add_argument("--quick", action="store_true",
+                    help="the small random Llama alone, small, one run: a smoke test")
     args = ap.parse_args(argv)
     from xlr_jax.bench.run import write_result
 
@@ -100,15 +102,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         llama = random_llama(Path(tmp) / "llama8", args.quick)
         ids = [int(t) for t in range(1, 129)]
-        result = {
-            "what": "decode tokens/s and TTFT of a model split over virtual CPU devices "
-                    "(tensor parallel) against one device, in one process, interleaved",
-            "embedded": compare("smollm2", [1, 3], PROMPT * (1 if args.quick else 3),
-                                tokens, reps),
-            "random_llama_8_heads": compare(str(llama), [1, 2, 4], ids, tokens, reps),
-        }
+        result = {"what": "decode tokens/s and TTFT of a model split over virtual CPU "
+                          "devices (tensor parallel) against one device, in one process, "
+                          "interleaved"}
+        if not args.quick:  # the smoke test runs the code path on the small model alone
+            result["embedded"] = compare("smollm2", [1, 3], PROMPT * 3, tokens, reps)
+        result["random_llama_8_heads"] = compare(str(llama), [1, 2, 4], ids, tokens, reps)
     path = write_result(args.out, "tensor_parallel", result, args.quick)
-    for name in ("embedded", "random_llama_8_heads"):
+    for name in ("embedded", "random_llama_8_heads")[args.quick:]:
         for split, f in result[name]["figures"].items():
             print(f"{name:>22} {split}: decode {f['decode_tokens_per_s']:7.1f} tok/s "
                   f"({f['decode_vs_one_device']:.2f}x), TTFT {f['ttft_s'] * 1e3:7.1f} ms "
