@@ -109,7 +109,7 @@ def main(argv=None) -> int:
             result["embedded"] = compare("smollm2", [1, 3], PROMPT * 3, tokens, reps)
         result["random_llama_8_heads"] = compare(str(llama), [1, 2, 4], ids, tokens, reps)
     path = write_result(args.out, "tensor_parallel", result, args.quick)
-    for name in ("embedded", "random_llama_8_heads")[args.quick:]:
+    for name in [n for n in ("embedded", "random_llama_8_heads") if n in result]:
         for split, f in result[name]["figures"].items():
             print(f"{name:>22} {split}: decode {f['decode_tokens_per_s']:7.1f} tok/s "
                   f"({f['decode_vs_one_device']:.2f}x), TTFT {f['ttft_s'] * 1e3:7.1f} ms "

@@ -154,10 +154,10 @@ def test_the_embedded_model_splits_over_three_and_refuses_two(cache_dir):
         xlr_jax.load_model("smollm2", tensor_parallel=2, cache_dir=cache_dir)
 
 
-def test_prefix_cache_and_speculation_run_unchanged_split(saved, cache_dir):
+def test_prefix_cache_speculation_and_preemption_run_unchanged_split(saved, cache_dir):
     """On one device and split over 2: the prefix cache's hit, exact speculation (n-gram
-    and a self draft) and SMC with a seed give the same tokens (preemption split: the
-    prefill test below)."""
+    and a self draft) and SMC with a seed, and requests preempted by a small pool, give
+    the same tokens."""
     def run(n):
         model = load(saved["llama_kv2"], cache_dir, n)
         out = {"plain": outputs(model)[0], "long": outputs(model, LONG)[0]}
@@ -172,10 +172,18 @@ def test_prefix_cache_and_speculation_run_unchanged_split(saved, cache_dir):
                                     seed=7, speculative={"method": "smc", "draft": "self:1",
                                                          "particles": 3}).token_ids
         model.shutdown()
+        # 15 pages of 4 tokens for 4 requests of up to 11 + 40 tokens: some are preempted
+        small = load(saved["llama_kv2"], cache_dir, n, page_size=4, num_pages=16)
+        prompts = [[3 + i] + PROMPT for i in range(4)]
+        out["preempted"] = [r.token_ids for r in small.generate(
+            prompts, max_tokens=40, ignore_eos=True)]
+        out["preemptions"] = small.stats()["preemptions"]
+        small.shutdown()
         return out
 
     one, split = run(1), run(2)
     assert split["cache_hits"] >= 128 and split["cached"] == split["long"]
+    assert split["preemptions"] > 0
     assert one == split
     assert split["plain"] == split["ngram"] == split["self"]  # exact: greedy's own tokens
 
