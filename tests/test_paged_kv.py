@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xlr_jax import OutOfPagesError
-from xlr_jax.kv.paged_kv import PagedKV, copy_pages, quantize_kv, write_layer, write_pages
+from xlr_jax.kv.paged_kv import (PagedKV, copy_pages, page_values, quantize_kv, set_at,
+                                 storage_dtype, write_layer, write_pages)
 from xlr_jax.kv.pages import SCRATCH_PAGE, PagePool, SequencePages
 
 
@@ -87,14 +88,16 @@ def test_cow_device_copy_preserves_contents():
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
 def test_quantized_pages_are_written_copied_and_restored_exactly(dtype):
     """write_layer stores each token's quantized values and scale at its page and offset
-    and nothing else; copy_pages and write_pages move pages byte for byte (fp8 pools go
-    through their bytes on the CPU: see set_at)."""
+    and nothing else; copy_pages and write_pages move pages byte for byte (an fp8 pool is
+    stored as its bytes on the CPU: see storage_dtype)."""
     rng = np.random.default_rng(1)
     kv = PagedKV.create(num_layers=2, num_kv_heads=3, head_dim=8, num_pages=6, page_size=4,
                         dtype=dtype)
-    kv = PagedKV(k=jnp.asarray(rng.normal(size=kv.k.shape), jnp.float32).astype(dtype),
+    assert kv.k.dtype == storage_dtype(dtype)
+    kv = PagedKV(k=set_at(kv.k, (slice(None),), jnp.asarray(rng.normal(size=kv.k.shape))),
                  v=kv.v, k_scale=kv.k_scale, v_scale=kv.v_scale)
-    before = np.asarray(kv.k).astype(np.float32)
+    values_of = lambda pages: np.asarray(page_values(pages)).astype(np.float32)  # noqa: E731
+    before = values_of(kv.k)
     values = jnp.asarray(rng.normal(size=(3, 3, 8)), jnp.float32)
     pages, offsets = jnp.array([2, 2, 5]), jnp.array([0, 3, 1])
     k, k_scale = jax.jit(write_layer, static_argnums=2)(kv.k, kv.k_scale, 1, pages, offsets,
@@ -102,26 +105,26 @@ def test_quantized_pages_are_written_copied_and_restored_exactly(dtype):
     stored, scale = quantize_kv(values, dtype)
     want = before.copy()
     want[1, [2, 2, 5], :, [0, 3, 1]] = np.asarray(stored).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(k).astype(np.float32), want)
+    np.testing.assert_array_equal(values_of(k), want)
     np.testing.assert_array_equal(np.asarray(k_scale)[1, [2, 2, 5], :, [0, 3, 1]], scale)
     moved = copy_pages(PagedKV(k, kv.v, k_scale, kv.v_scale), jnp.array([2]), jnp.array([4]))
-    np.testing.assert_array_equal(np.asarray(moved.k[:, 4]).astype(np.float32), want[:, 2])
+    np.testing.assert_array_equal(values_of(moved.k[:, 4]), want[:, 2])
     restored = write_pages(moved, jnp.array([3]), {"k": moved.k[:, 5:6], "v": moved.v[:, 5:6],
                                                     "k_scale": moved.k_scale[:, 5:6],
                                                     "v_scale": moved.v_scale[:, 5:6]})
-    np.testing.assert_array_equal(np.asarray(restored.k[:, 3]).astype(np.float32), want[:, 5])
+    np.testing.assert_array_equal(values_of(restored.k[:, 3]), want[:, 5])
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's handling of fp8 arrays")
 def test_an_fp8_pool_is_written_without_widening_the_whole_pool():
     """XLA:CPU scatters into an fp8 array by converting all of it to f16 and back (a
-    1-token write into a 110 MB pool: 0.4 s); the pool's own write must not."""
-    pool = jax.ShapeDtypeStruct((2, 5, 3, 4, 8), jnp.float8_e4m3fn)
+    1-token write into a 110 MB pool: 0.4 s); a pool's write must not."""
+    pool = jax.ShapeDtypeStruct((2, 5, 3, 4, 8), storage_dtype(jnp.float8_e4m3fn))
     scales = jax.ShapeDtypeStruct((2, 5, 3, 4), jnp.float32)
     write = jax.jit(lambda p, s, v: write_layer(p, s, 1, jnp.array([2]), jnp.array([1]), v))
     hlo = write.lower(pool, scales, jax.ShapeDtypeStruct((1, 3, 8), jnp.float32)).compile()
     pool_typed = set(re.findall(r"\b(\w+)\[2,5,3,4,8\]", hlo.as_text()))
-    assert pool_typed <= {"f8e4m3fn", "u8"}, pool_typed
+    assert pool_typed == {"u8"}, pool_typed
 
 
 def test_out_of_pages_is_all_or_nothing():

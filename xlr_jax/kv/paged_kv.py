@@ -9,7 +9,8 @@ XLA:CPU ~3.5x cheaper than gathering per head from a head-major pool).
 
 Quantized KV: with an int8 or fp8 page dtype, `k_scale`/`v_scale`
 [layers, num_pages, kv_heads, page_size] hold one f32 scale per token and head
-(stored value * scale = K/V); `write_layer` quantizes, the attention dequantizes.
+(stored value * scale = K/V); `write_layer` quantizes, the attention dequantizes. On
+the CPU an fp8 pool is stored as its bytes (`storage_dtype`).
 
 Page 0 is a scratch page (`pages.SCRATCH_PAGE`): it is never handed out, padded batch
 rows and padded chunk positions write into it, and block tables are padded with it.
@@ -25,14 +26,40 @@ from xlr_jax.pytree import pytree_dataclass
 
 # largest magnitude a quantized page dtype stores
 QUANT_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_BYTES = jnp.dtype(jnp.uint8)  # how an fp8 pool is stored on the CPU: see storage_dtype
+
+
+def storage_dtype(dtype) -> jnp.dtype:
+    """The dtype a pool of `dtype` pages is stored in. On the CPU fp8 pages are kept as
+    their bytes (uint8): XLA:CPU converts the whole of an fp8 array to scatter into it (30
+    one-token writes into a 110 MB pool took 11 s, against 65 us into int8;
+    experiments/README.md#ablations); readers bitcast the pages they gather
+    (`page_values`). The GPU, not measured yet, keeps fp8 as it is."""
+    dtype = jnp.dtype(dtype)
+    return FP8_BYTES if dtype == FP8 and jax.default_backend() == "cpu" else dtype
+
+
+def page_dtype(dtype) -> jnp.dtype:
+    """The dtype of the values in pages stored as `dtype` (the inverse of storage_dtype)."""
+    return FP8 if jnp.dtype(dtype) == FP8_BYTES else jnp.dtype(dtype)
+
+
+def page_values(pages):
+    """Gathered pages as their values' dtype (fp8 stored as bytes: bitcast back)."""
+    if pages.dtype == FP8_BYTES:
+        return jax.lax.bitcast_convert_type(pages, FP8)
+    return pages
 
 
 def is_quantized(dtype) -> bool:
-    return jnp.dtype(dtype) in QUANT_MAX
+    return page_dtype(dtype) in QUANT_MAX
 
 
 def quantize_kv(values, dtype):
-    """values [..., head_dim] -> (stored [..., head_dim] in `dtype`, f32 scales [...])."""
+    """values [..., head_dim] -> (stored [..., head_dim] in `dtype`'s values' dtype, f32
+    scales [...])."""
+    dtype = page_dtype(dtype)
     values = values.astype(jnp.float32)
     amax = jnp.max(jnp.abs(values), axis=-1)
     scale = jnp.where(amax > 0, amax / QUANT_MAX[jnp.dtype(dtype)], 1.0)
@@ -58,8 +85,9 @@ class PagedKV:
         # two separate buffers: the steps donate each leaf
         scales = ([jnp.ones(shape[:-1], jnp.float32, device=sharding) for _ in "kv"]
                   if is_quantized(dtype) else [None, None])
-        return cls(jnp.zeros(shape, dtype, device=sharding),
-                   jnp.zeros(shape, dtype, device=sharding), *scales)
+        stored = storage_dtype(dtype)  # zero bytes are fp8 zeros too
+        return cls(jnp.zeros(shape, stored, device=sharding),
+                   jnp.zeros(shape, stored, device=sharding), *scales)
 
     @property
     def page_size(self) -> int:
@@ -86,16 +114,11 @@ def write_layer(pages, scales, layer, page_ids, offsets, values):
 
 
 def set_at(pool, index, values):
-    """`pool.at[index].set(values)` in the pool's dtype. On the CPU an fp8 pool is written
-    through its bytes: XLA:CPU converts the whole of an fp8 array to scatter into it (30
-    one-token writes into a 110 MB pool took 11 s, 10 ms through uint8, 65 us into int8;
-    experiments/README.md#ablations). The GPU, not measured yet, writes fp8 as it is."""
-    values = values.astype(pool.dtype)
-    if pool.dtype != jnp.float8_e4m3fn or jax.default_backend() != "cpu":
-        return pool.at[index].set(values)
-    as_bytes = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
-    return jax.lax.bitcast_convert_type(as_bytes(pool).at[index].set(as_bytes(values)),
-                                        pool.dtype)
+    """`pool.at[index].set(values)`, values in the pool's values' dtype (fp8 values into a
+    pool of their bytes as bytes: see storage_dtype)."""
+    if pool.dtype == FP8_BYTES and values.dtype != FP8_BYTES:
+        values = jax.lax.bitcast_convert_type(values.astype(FP8), FP8_BYTES)
+    return pool.at[index].set(values.astype(pool.dtype))
 
 
 def _copy_pages(kv: PagedKV, src, dst) -> PagedKV:

@@ -34,6 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from xlr_jax.kv.paged_kv import page_values
 from xlr_jax.ops import cpu_attention, cpu_kernels
 
 IMPLS = ("auto", "pallas", "xla", "cpu")
@@ -110,6 +111,7 @@ def paged_attention(q, kv_pages, block_tables, lengths, q_positions=None, *,
     from xlr_jax.ops.pallas_attention import ragged_paged_attention_pallas  # see ops/__init__
 
     ks, vs = kv_scales if kv_scales is not None else (None, None)
+    kv_pages = tuple(page_values(x) for x in kv_pages)  # the kernel in interpret mode on the CPU
     return ragged_paged_attention_pallas(
         q, *kv_pages, block_tables, lengths, cu_q_lens, q_positions, ks, vs,
         max_q_len=max_q_len or q.shape[0], layer=layer, sliding_window=sliding_window,
@@ -125,7 +127,7 @@ def gather_pages(pages, table, layer=None):
     page_shape = pages.shape[lead + 1:]
     rows = pages.reshape(-1, math.prod(page_shape))
     ids = table if layer is None else layer * pages.shape[1] + table
-    return rows[ids].reshape(*table.shape, *page_shape)
+    return page_values(rows[ids].reshape(*table.shape, *page_shape))
 
 
 def _softmax_product(scores, visible, v, spec, softcap=None):
