@@ -1,7 +1,6 @@
 """The host page pool (refcounts, copy-on-write) and the compile-once-per-bucket rule."""
-from collections import Counter
-
 import re
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xlr_jax import OutOfPagesError
-from xlr_jax.kv.paged_kv import (PagedKV, copy_pages, page_values, quantize_kv, set_at,
-                                 storage_dtype, write_layer, write_pages)
+from xlr_jax.kv.paged_kv import (PagedKV, copy_pages, page_values, quantize_kv, storage_dtype,
+                                 write_layer, write_pages)
 from xlr_jax.kv.pages import SCRATCH_PAGE, PagePool, SequencePages
 
 
@@ -94,8 +93,8 @@ def test_quantized_pages_are_written_copied_and_restored_exactly(dtype):
     kv = PagedKV.create(num_layers=2, num_kv_heads=3, head_dim=8, num_pages=6, page_size=4,
                         dtype=dtype)
     assert kv.k.dtype == storage_dtype(dtype)
-    kv = PagedKV(k=set_at(kv.k, (slice(None),), jnp.asarray(rng.normal(size=kv.k.shape))),
-                 v=kv.v, k_scale=kv.k_scale, v_scale=kv.v_scale)
+    noise, _ = quantize_kv(jnp.asarray(rng.normal(size=kv.k.shape)), kv.k.dtype)
+    kv = PagedKV(k=noise, v=kv.v, k_scale=kv.k_scale, v_scale=kv.v_scale)
     values_of = lambda pages: np.asarray(page_values(pages)).astype(np.float32)  # noqa: E731
     before = values_of(kv.k)
     values = jnp.asarray(rng.normal(size=(3, 3, 8)), jnp.float32)

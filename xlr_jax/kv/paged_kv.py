@@ -35,7 +35,8 @@ def storage_dtype(dtype) -> jnp.dtype:
     their bytes (uint8): XLA:CPU converts the whole of an fp8 array to scatter into it (30
     one-token writes into a 110 MB pool took 11 s, against 65 us into int8;
     experiments/README.md#ablations); readers bitcast the pages they gather
-    (`page_values`). The GPU, not measured yet, keeps fp8 as it is."""
+    (`page_values`), `quantize_kv` writes bytes. The GPU, not measured yet, keeps fp8 as
+    it is."""
     dtype = jnp.dtype(dtype)
     return FP8_BYTES if dtype == FP8 and jax.default_backend() == "cpu" else dtype
 
@@ -57,16 +58,16 @@ def is_quantized(dtype) -> bool:
 
 
 def quantize_kv(values, dtype):
-    """values [..., head_dim] -> (stored [..., head_dim] in `dtype`'s values' dtype, f32
-    scales [...])."""
-    dtype = page_dtype(dtype)
+    """values [..., head_dim] -> (stored [..., head_dim] in `dtype`, a pool's dtype: fp8
+    values as their bytes where the pool holds bytes; f32 scales [...])."""
+    value_dtype = page_dtype(dtype)
     values = values.astype(jnp.float32)
     amax = jnp.max(jnp.abs(values), axis=-1)
-    scale = jnp.where(amax > 0, amax / QUANT_MAX[jnp.dtype(dtype)], 1.0)
+    scale = jnp.where(amax > 0, amax / QUANT_MAX[value_dtype], 1.0)
     scaled = values / scale[..., None]
-    if jnp.issubdtype(dtype, jnp.integer):
+    if jnp.issubdtype(value_dtype, jnp.integer):
         scaled = jnp.round(scaled)
-    return scaled.astype(dtype), scale
+    return jax.lax.bitcast_convert_type(scaled.astype(value_dtype), dtype), scale
 
 
 @pytree_dataclass
@@ -106,23 +107,15 @@ def write_layer(pages, scales, layer, page_ids, offsets, values):
 
     Returns the new (pages, scales); `scales` is None for unquantized pages.
     """
-    where = (layer, page_ids, slice(None), offsets)
     if scales is None:
-        return set_at(pages, where, values), None
+        return pages.at[layer, page_ids, :, offsets].set(values.astype(pages.dtype)), None
     stored, scale = quantize_kv(values, pages.dtype)
-    return set_at(pages, where, stored), scales.at[where].set(scale)
-
-
-def set_at(pool, index, values):
-    """`pool.at[index].set(values)`, values in the pool's values' dtype (fp8 values into a
-    pool of their bytes as bytes: see storage_dtype)."""
-    if pool.dtype == FP8_BYTES and values.dtype != FP8_BYTES:
-        values = jax.lax.bitcast_convert_type(values.astype(FP8), FP8_BYTES)
-    return pool.at[index].set(values.astype(pool.dtype))
+    return (pages.at[layer, page_ids, :, offsets].set(stored),
+            scales.at[layer, page_ids, :, offsets].set(scale))
 
 
 def _copy_pages(kv: PagedKV, src, dst) -> PagedKV:
-    return jax.tree.map(lambda a: set_at(a, (slice(None), dst), a[:, src]), kv)
+    return jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), kv)
 
 
 copy_pages = jax.jit(_copy_pages, donate_argnums=0)
@@ -135,7 +128,7 @@ def read_pages(kv: PagedKV, ids) -> dict:
 
 
 def _write_pages(kv: PagedKV, ids, pages: dict) -> PagedKV:
-    return kv.replace(**{name: set_at(getattr(kv, name), (slice(None), ids), pages[name])
+    return kv.replace(**{name: getattr(kv, name).at[:, ids].set(pages[name])
                          for name in leaves(kv)})
 
 
