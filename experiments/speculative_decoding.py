@@ -172,40 +172,63 @@ def plot(result: dict, path: Path) -> None:
 
 
 def build_draft(folder: Path, draft: str) -> str:
-    """A draft spec the engine takes: "truncated:K" and "noisy:S" become model folders
-    saved by transformers as safetensors (no other model shares SmolLM2's tokenizer
+    """A draft spec the engine takes: "truncated:K" and "noisy:S" become GGUF files
+    derived from the embedded model's (no other model shares SmolLM2's tokenizer
     offline); anything else is returned as it is."""
     kind, _, arg = draft.partition(":")
     if kind not in ("truncated", "noisy"):
         return draft
-    path = folder / f"{kind}-{arg}"
-    if (path / "config.json").exists():
-        return str(path)
-    import torch
-    from transformers import AutoModelForCausalLM
+    path = folder / f"{kind}-{arg}.gguf"
+    if not path.exists():
+        write_derived_gguf(path, layers=int(arg) if kind == "truncated" else None,
+                           noise=float(arg) if kind == "noisy" else None)
+    return str(path)
 
+
+def write_derived_gguf(path: Path, layers: int | None = None,
+                       noise: float | None = None) -> None:
+    """The embedded model's GGUF with only its first `layers` blocks (their tensors
+    copied as they are: the same values the target loads), or with every matrix
+    dequantized and given Gaussian noise of `noise` times its standard deviation (the
+    head untied first, so it gets noise of its own)."""
+    import gguf
+
+    from xlr_jax.loading.gguf_file import GGUFFile
     from xlr_jax.loading.registry import resolve_model
 
-    gguf = resolve_model("smollm2")
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                              dtype=torch.float32)
-    state = {k: v.clone() for k, v in hf.state_dict().items()}
-    if kind == "truncated":
-        hf.config.num_hidden_layers = int(arg)
-    else:  # untied: the head gets its own noise
-        hf.config.tie_word_embeddings = False
-        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-        noise = torch.Generator().manual_seed(0)
-        for tensor in state.values():
-            if tensor.ndim == 2:
-                tensor.add_(torch.randn(tensor.shape, generator=noise) * float(arg)
-                            * tensor.std())
-    small = type(hf)(hf.config)  # a GGUF-loaded model refuses to be saved: copy it
-    missing, _ = small.load_state_dict(state, strict=False)  # truncated: drops layers >= K
-    if missing:
-        raise RuntimeError(f"draft {draft}: weights not copied: {missing}")
-    small.save_pretrained(path, safe_serialization=True)
-    return str(path)
+    src = GGUFFile(resolve_model("smollm2"))
+    arch = src.fields["general.architecture"]
+    writer = gguf.GGUFWriter(str(path), arch)  # writes general.architecture itself
+    for key, value in src.fields.items():
+        if key == "general.architecture":
+            continue
+        if key == f"{arch}.block_count" and layers is not None:
+            value = layers
+        writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+    tensors = {t.name: t for t in src.tensors}
+    if layers is not None:
+        tensors = {name: t for name, t in tensors.items()
+                   if not name.startswith("blk.") or int(name.split(".")[1]) < layers}
+    rng = np.random.default_rng(0)
+
+    def noisy(t) -> np.ndarray:
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        w = w.reshape(tuple(reversed(t.shape)))
+        if w.ndim == 2:
+            w = w + (rng.standard_normal(w.shape) * noise * w.std()).astype(np.float32)
+        return w
+
+    for name, t in tensors.items():
+        if noise is None:
+            writer.add_tensor(name, t.data, raw_dtype=t.tensor_type)
+        else:
+            writer.add_tensor(name, noisy(t))
+    if noise is not None and "output.weight" not in tensors:
+        writer.add_tensor("output.weight", noisy(tensors["token_embd.weight"]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def max_pair_repeats(tokens: list[int]) -> int:
