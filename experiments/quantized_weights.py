@@ -7,9 +7,9 @@ Side by side in one process: each format loaded once (no prefix cache: every run
 prefills), llama.cpp (llama-cpp-python, 2 threads; left out where it is not installed), a
 warm-up round (compiles), then --reps timed rounds alternating between engines; medians.
 "native" keeps the GGUF's Q4_1 matrices and Q8_0 embedding as they are; "int8"/"int4"/
-"fp8" quantize the float values at load. Decode's products of a few rows run in the CPU's
-quantized kernel (`ops/quantized_linear.cc`) where the plan runs the CPU kernels; a
-prefill chunk's dequantize the weight for XLA's dot. Greedy agreement: on each of PROMPTS,
+"fp8" quantize the float values at load. Decode's products of a few rows and a prefill
+chunk's run in the CPU's quantized kernel (`ops/quantized_linear.cc`: a chunk's down a
+dequantized tile of the weight) where the plan runs the CPU kernels. Greedy agreement: on each of PROMPTS,
 how many of --agree-tokens tokens each engine shares with float and with llama.cpp before
 the first difference.
 
