@@ -9,9 +9,9 @@ warm-up round (compiles), then --reps timed rounds alternating between engines; 
 "native" keeps the GGUF's Q4_1 matrices and Q8_0 embedding as they are; "int8"/"int4"/
 "fp8" quantize the float values at load. Decode's products of a few rows and a prefill
 chunk's run in the CPU's quantized kernel (`ops/quantized_linear.cc`: a chunk's down a
-dequantized tile of the weight) where the plan runs the CPU kernels. Greedy agreement: on each of PROMPTS,
-how many of --agree-tokens tokens each engine shares with float and with llama.cpp before
-the first difference.
+dequantized tile of the weight) where the plan runs the CPU kernels. Greedy agreement: on
+each of PROMPTS, how many of --agree-tokens tokens each engine shares with float and with
+llama.cpp before the first difference.
 
 An AVX2 machine without one: XLR_CPU_TARGET=x86-64-v3 XLA_FLAGS=--xla_cpu_max_isa=AVX2
 (the kernels and XLA's own code both capped at AVX2) with --no-llama-cpp (its build is

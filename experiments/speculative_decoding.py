@@ -185,18 +185,18 @@ def build_draft(folder: Path, draft: str) -> str:
     return str(path)
 
 
-def write_derived_gguf(path: Path, layers: int | None = None,
-                       noise: float | None = None) -> None:
-    """The embedded model's GGUF with only its first `layers` blocks (their tensors
-    copied as they are: the same values the target loads), or with every matrix
-    dequantized and given Gaussian noise of `noise` times its standard deviation (the
-    head untied first, so it gets noise of its own)."""
+def write_derived_gguf(path: Path, layers: int | None = None, noise: float | None = None,
+                       source: str = "smollm2") -> None:
+    """`source`'s GGUF (default the embedded model's) with only its first `layers`
+    blocks (their tensors copied as they are: the same values the target loads), or with
+    every matrix dequantized and given Gaussian noise of `noise` times its standard
+    deviation (the head untied first, so it gets noise of its own)."""
     import gguf
 
     from xlr_jax.loading.gguf_file import GGUFFile
     from xlr_jax.loading.registry import resolve_model
 
-    src = GGUFFile(resolve_model("smollm2"))
+    src = GGUFFile(resolve_model(source))
     arch = src.fields["general.architecture"]
     writer = gguf.GGUFWriter(str(path), arch)  # writes general.architecture itself
     for key, value in src.fields.items():

@@ -409,3 +409,37 @@ def test_benchmark_quick_writes_json_and_plot(tmp_path, cache_dir):
     forced = quality["drafts"]["smc_self:20_n2_forced"]
     assert forced["fallbacks"] == 0 and forced["ll_ratio_vs_plain"] > 0
     assert set(quality["drafts"]) == {"smc_self:20_n2_fallback", "smc_self:20_n2_forced"}
+
+
+def test_the_benchmarks_derived_drafts_keep_or_perturb_the_sources_weights(tmp_path):
+    """experiments/speculative_decoding.py's GGUF drafts, from a tiny 3-layer GGUF with Q8_0
+    matrices: "truncated" holds the first 2 blocks, loaded to the source's values exactly;
+    "noisy" untied, every matrix off by about its noise times its standard deviation
+    (the head's own noise, not the embedding's), the norms as they were."""
+    import importlib.util
+    from pathlib import Path
+
+    from tiny_gguf import write_tiny_gguf
+
+    from xlr_jax.loading.weights import load_weights
+
+    path = Path(__file__).resolve().parents[1] / "experiments/speculative_decoding.py"
+    spec = importlib.util.spec_from_file_location("speculative_decoding", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    source = write_tiny_gguf(tmp_path / "source.gguf", layers=3, matrix_type="Q8_0")
+    bench.write_derived_gguf(tmp_path / "cut.gguf", layers=2, source=str(source))
+    bench.write_derived_gguf(tmp_path / "noisy.gguf", noise=0.1, source=str(source))
+    whole = load_weights(source).params
+    cut, noisy = (load_weights(tmp_path / f"{n}.gguf").params for n in ("cut", "noisy"))
+    assert read_config(tmp_path / "cut.gguf").num_layers == 2
+    for name, w in whole["layers"].items():
+        np.testing.assert_array_equal(np.asarray(cut["layers"][name]), np.asarray(w)[:2])
+    np.testing.assert_array_equal(cut["embed"], whole["embed"])
+    assert "lm_head" not in whole and not read_config(tmp_path / "noisy.gguf").tie_embeddings
+    for got, w in [(noisy["layers"]["wqkv"], whole["layers"]["wqkv"]),
+                   (noisy["embed"], whole["embed"]), (noisy["lm_head"], whole["embed"])]:
+        got, w = np.asarray(got), np.asarray(w)
+        assert 0.08 < np.std(got - w) / np.std(w) < 0.12
+    assert not np.array_equal(noisy["lm_head"], noisy["embed"])
+    np.testing.assert_array_equal(noisy["layers"]["attn_norm"], whole["layers"]["attn_norm"])
