@@ -66,7 +66,8 @@ SMOKE = dict(
     decode_8b=dict(shape=TINY_8B, prompt_tokens=32, decode_tokens=8, runs=1),
     batches=dict(streams=[1, 2], prompt_tokens=16, decode_tokens=4, runs=1),
     speculation=dict(prompt_tokens=24, max_tokens=8, runs=1, drafts=["ngram", "self:1"]),
-    agent=dict(turns=2, max_tokens=4, rules=1, tools=1),
+    # a stable tier long enough that its prefill outweighs a step's noise (~10 ms to ~2)
+    agent=dict(turns=2, max_tokens=4, rules=8, tools=4),
     quantized=dict(formats=["float", "int8"], prompt_tokens=16, decode_tokens=4, runs=1),
     engine=dict(max_context=1024, max_batch=4, prefill_chunk=128))
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> "

@@ -65,11 +65,9 @@ def test_the_parts_report_their_figures(smoke):
     assert {"off", "exact ngram", "exact self:1", "smc"} == set(spec)
     assert spec["exact ngram"]["accepted_per_pass"] >= 1
     agent = parts["prefix_cache"]["figures"]
-    # smoke turns prefill a few dozen tokens in ~2 ms either way: their TTFTs are noise,
-    # what the cache saves is the tokens (the GPU run's TTFTs carry the speed)
     assert all(f > 0 for f in agent["on"]["cached_fraction"][1:])
     assert agent["off"]["cached_fraction"] == [0.0] * len(agent["off"]["cached_fraction"])
-    assert agent["on"]["ttft_later_turns_median_s"] > 0
+    assert agent["on"]["ttft_later_turns_median_s"] < agent["off"]["ttft_later_turns_median_s"]
     quantized = parts["quantized"]["figures"]
     assert quantized["int8"]["bytes_per_token"] < quantized["float"]["bytes_per_token"]
 
