@@ -23,7 +23,7 @@ using xlr::kLanes;
 using xlr::load;
 using xlr::vf;
 
-constexpr int64_t kTaskRows = 32;  // output rows a task computes: 18+ tasks per layer
+constexpr int64_t kTaskRows = 32;  // the fewest output rows a task computes
 constexpr int kBlockRows = 4;      // weight rows read together
 // rows of x folded against a weight block at a time: its kBlockRows x kMaxGroup
 // accumulators, the block's rows and one x row in registers (32: 24 + 4 + 1; 16: 8 + 4 + 1)
@@ -71,11 +71,12 @@ void xlr::linear(Pool& pool, const float* xp, const float* wp, int64_t rows, int
                  int64_t n, float* op) {
   // rows in groups of at most kMaxGroup, as even as they go (8 rows of 6: 4 and 4)
   const int64_t groups = (rows + kMaxGroup - 1) / kMaxGroup;
-  const int64_t tasks = (n + kTaskRows - 1) / kTaskRows;
+  const int64_t per_task = xlr::rows_per_task(pool, n, kTaskRows);
+  const int64_t tasks = (n + per_task - 1) / per_task;
 
   auto run = [&](int64_t t) {
-    const int64_t o1 = std::min(n, (t + 1) * kTaskRows);
-    for (int64_t o = t * kTaskRows; o < o1;) {
+    const int64_t o1 = std::min(n, (t + 1) * per_task);
+    for (int64_t o = t * per_task; o < o1;) {
       const bool whole = o + kBlockRows <= o1;  // else the task's last rows one by one
       for (int64_t g = 0, r = 0; g < groups; ++g) {
         const int64_t size = (rows - r) / (groups - g);  // the rest, shared evenly

@@ -27,7 +27,7 @@ using xlr::Values;
 using xlr::vf;
 using xlr::vi;
 
-constexpr int64_t kTaskRows = 16;  // output rows a task computes
+constexpr int64_t kTaskRows = 16;  // the fewest output rows a task computes
 // rows of x folded against a weight row at a time: an accumulator each, beside the
 // group's dequantized vectors
 // (past it a weight row would be dequantized again for each pass: tile_rows instead)
@@ -259,8 +259,9 @@ void product(xlr::Pool& pool, const xlr::QuantizedProduct& p) {
 
   const RowFn<S> fold =
       row_for<S>(p.values, p.rows, std::make_integer_sequence<int, kMaxRows>{});
-  xlr::run_tasks(pool, (p.n + kTaskRows - 1) / kTaskRows, [&](int64_t t) {
-    for (int64_t o = t * kTaskRows; o < std::min(p.n, (t + 1) * kTaskRows); ++o)
+  const int64_t per_task = xlr::rows_per_task(pool, p.n, kTaskRows);
+  xlr::run_tasks(pool, (p.n + per_task - 1) / per_task, [&](int64_t t) {
+    for (int64_t o = t * per_task; o < std::min(p.n, (t + 1) * per_task); ++o)
       fold(p.x, p.d, p.group, p.q + o * row_bytes, scales + o * groups,
            minimums ? minimums + o * groups : nullptr, p.n, p.out + o);
   });
