@@ -64,11 +64,13 @@ def main(argv=None) -> int:
     p.add_argument("--attn-impl", default="auto", help="the plan's attention, or this one")
     p.add_argument("--linear-impl", default="auto",
                    help="the plan's few-row products, or these (\"xla\": before the kernel)")
+    p.add_argument("--weights", default=None,
+                   help="the weight format (float, native, int8, int4, fp8; the plan's if unset)")
     p.add_argument("--out", help="also write the summary to this file")
     args = p.parse_args(argv)
 
     model = load_model(args.model, prefix_cache=False, attn_impl=args.attn_impl,
-                       linear_impl=args.linear_impl)
+                       linear_impl=args.linear_impl, weights=args.weights)
     runner = model.engine.runner
     batch = step_batch(model, runner.steps, args.rows, args.chunk, args.start)
 
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
                         + ([f"a {args.chunk}-token chunk from"] if args.chunk else []))
     lines = [f"# {what} position {args.start}, {args.model}, "
              f"{jax.default_backend()} plan (attn_impl {model.plan.attn_impl}, linear_impl "
-             f"{model.plan.linear_impl}); git {git_state()}",
+             f"{model.plan.linear_impl}, weights {model.plan.weights}); git {git_state()}",
              f"# step wall time, median of {args.runs}: "
              f"{statistics.median(times[1:]) * 1e3:.1f} ms;"
              f" ops (summed over XLA's threads, `while` not added): {ops_ms:.1f} ms",

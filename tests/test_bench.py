@@ -232,3 +232,18 @@ def test_step_profile_summarizes_a_trace(tmp_path, tiny_models, shape, header):
     rows = [line.split() for line in lines[3:]]
     assert rows and all(float(ms) >= 0 and int(n) > 0 for ms, _, n, _ in rows)
     assert any(kind.startswith(("ynn_fusion", "dot")) for *_, kind in rows), out.read_text()
+
+
+def test_step_profile_takes_a_weight_format(tmp_path, tiny_models):
+    """--weights int8: the plan's format is in the header and the products are the
+    quantized kernel's calls (XLA's dot would run on float weights)."""
+    out = tmp_path / "profile.txt"
+    run = subprocess.run([sys.executable, str(REPO / "experiments/profile_step.py"),
+                          "--model", str(tiny_models.target), "--rows", "1", "--chunk", "0",
+                          "--start", "16", "--runs", "1", "--weights", "int8",
+                          "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = out.read_text().splitlines()
+    assert "weights int8" in lines[0], lines[0]
+    assert any(line.split()[-1] == "ffi_call" for line in lines[3:]), out.read_text()
