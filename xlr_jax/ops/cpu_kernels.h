@@ -87,8 +87,9 @@ struct Progress {  // shared with helper tasks that may start after the call ret
 
 // Output rows per task when a product's n rows are split over the pool: at least
 // `minimum`, else about 8 tasks per thread. Every task costs two atomic adds on a line
-// the threads share; with tasks of a few microseconds (16 rows of a 4-bit LM head are
-// 4.6 KB) that traffic cost as much as the work, and two threads ran no faster than one.
+// the threads share; with tasks of a few microseconds (16 rows of the embedded model's
+// 8-bit LM head are 9 KB) that traffic cost as much as the work, and two threads ran no
+// faster than one.
 inline int64_t rows_per_task(const Pool& pool, int64_t n, int64_t minimum) {
   const int64_t tasks = 8 * (pool.threads() + 1);
   return std::max(minimum, (n + tasks - 1) / tasks);

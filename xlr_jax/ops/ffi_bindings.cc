@@ -15,17 +15,17 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// XLA's intra-op threads, as many as leave the calling thread a core: XLA's pool has a
-// thread a core, so all of them beside the caller put three threads on two cores, and
-// the tasks of a descheduled one held up the call's end (a decode step's products took
-// 8.4-11.6 ms with two helpers, 5.5-8.0 with one; 2-core Zen 5).
+// XLA's intra-op threads, as many as leave the calling thread a core (all of them where
+// the core count is unknown): XLA's pool has a thread a core, so all of them beside the
+// caller put three threads on two cores, and the tasks of a descheduled one held up the
+// call's end (a decode step's products took 8.4-11.6 ms with two helpers, 5.5-8.0 with
+// one; 2-core Zen 5).
 class XlaPool final : public xlr::Pool {
  public:
   explicit XlaPool(ffi::ThreadPool& pool) : pool_(pool) {}
   int64_t threads() const override {
-    static const int64_t others =
-        std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()) - 1);
-    return std::min<int64_t>(pool_.num_threads(), others);
+    static const int64_t cores = std::thread::hardware_concurrency();  // 0: unknown
+    return cores > 0 ? std::min<int64_t>(pool_.num_threads(), cores - 1) : pool_.num_threads();
   }
   void schedule(std::function<void()> task) override { pool_.Schedule(std::move(task)); }
 
